@@ -1,0 +1,85 @@
+"""The static configuration of one attention call: what may attend, and how it is blocked."""
+
+import dataclasses
+import math
+
+# Tuned on a 2-core x86-64 CPU (benchmarks/tune_blocks.py records the sweep).
+DEFAULT_BLOCK_Q = 512
+DEFAULT_BLOCK_K = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """Keys a query may see, relative to its bottom-right aligned position `p`.
+
+    Query `i` sees key `j` iff `p - left <= j <= p + right` with `p = i + seq_k - seq_q`;
+    `None` leaves that side unbounded. Causal attention is `right = 0`.
+    """
+
+    left: int | None = None
+    right: int | None = None
+
+    @property
+    def is_unbounded(self) -> bool:
+        return self.left is None and self.right is None
+
+
+def make_window(window: int | tuple[int | None, int | None] | None, causal: bool) -> Window:
+    """Normalise the public `window` and `causal` arguments into one `Window`."""
+    if window is None:
+        left, right = None, None
+    elif isinstance(window, tuple | list):
+        if len(window) != 2:
+            raise ValueError(
+                f"window must be an int or a pair (left, right); got {window!r}"
+            )
+        left, right = window
+    else:
+        left, right = window, window
+    for side, value in (("left", left), ("right", right)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(
+                f"window {side} side must be a non-negative int or None; got {value!r}"
+            )
+        if value < 0:
+            raise ValueError(f"window {side} side must be >= 0; got {value}")
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    return Window(left, right)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Everything static about one kernel call, resolved; hashable, so it can be a
+    `custom_vjp` nondiff argument. `seq_q`/`seq_k` are the true (unpadded) lengths."""
+
+    seq_q: int
+    seq_k: int
+    block_q: int
+    block_k: int
+    window: Window
+    scale: float
+    softcap: float | None = None
+    dropout_rate: float = 0.0
+
+
+def check_block_size(name: str, value: int | None) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int or None; got {value!r}")
+
+
+def choose_block(requested: int | None, default: int, seq: int) -> int:
+    """Block size along one sequence axis.
+
+    An explicit request is honoured (clipped to the sequence, padding the last block).
+    The default is balanced: the fewest blocks of at most `default`, sized evenly, so a
+    length like 1500 runs as 3 blocks of 500 with no padding at all.
+    """
+    if requested is not None:
+        return min(requested, seq)
+    num_blocks = math.ceil(seq / default)
+    return math.ceil(seq / num_blocks)

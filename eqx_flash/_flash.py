@@ -1,0 +1,133 @@
+"""Public `flash_attention`: validation, layout, padding and `custom_vjp` wiring.
+
+The kernels (`_forward`, `_backward`) see only padded arrays in the internal layout; this
+module is the only place that knows about the public shapes.
+"""
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, ArrayLike
+
+from . import _config
+from ._backward import backward
+from ._config import KernelConfig
+from ._forward import forward
+from ._layout import Shapes, merge_heads, split_heads
+from ._masking import Masks, dropout_seed
+from ._validation import check_dropout, check_masks, check_qkv, make_config
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(cfg: KernelConfig, q, k, v, masks: Masks, seed):
+    return forward(cfg, q, k, v, masks, seed)
+
+
+def _attention_fwd(cfg, q, k, v, masks, seed):
+    out, lse = forward(cfg, q, k, v, masks, seed)
+    return (out, lse), (q, k, v, out, lse, masks, seed)
+
+
+def _attention_bwd(cfg, residuals, cotangents):
+    q, k, v, out, lse, masks, seed = residuals
+    d_out, d_lse = cotangents
+    d_q, d_k, d_v = backward(cfg, q, k, v, out, lse, d_out, d_lse, masks, seed)
+    no_grad = jax.tree.map(lambda _: None, masks)
+    return d_q, d_k, d_v, no_grad, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _pad_axis(x: Array | None, axis: int, size: int) -> Array | None:
+    if x is None or x.shape[axis] in (1, size):
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "shapes"))
+def _blockwise(q, k, v, masks: Masks, seed, *, cfg: KernelConfig, shapes: Shapes):
+    q, k, v = split_heads(q, k, v, shapes)
+    seq_q_pad = -(-cfg.seq_q // cfg.block_q) * cfg.block_q
+    seq_k_pad = -(-cfg.seq_k // cfg.block_k) * cfg.block_k
+    q = _pad_axis(q, 3, seq_q_pad)
+    k, v = _pad_axis(k, 2, seq_k_pad), _pad_axis(v, 2, seq_k_pad)
+    masks = Masks(*(_pad_axis(_pad_axis(m, -2, seq_q_pad), -1, seq_k_pad) for m in masks))
+    out, lse = _attention(cfg, q, k, v, masks, seed)
+    return merge_heads(out[..., : cfg.seq_q, :], lse[..., : cfg.seq_q], shapes)
+
+
+def flash_attention(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    mask: ArrayLike | None = None,
+    *,
+    attn_mask: ArrayLike | None = None,
+    causal: bool = False,
+    window: int | tuple[int | None, int | None] | None = None,
+    q_segment_ids: ArrayLike | None = None,
+    kv_segment_ids: ArrayLike | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    dropout_rate: float = 0.0,
+    key: Any = None,
+) -> tuple[Array, Array]:
+    """Exact attention in blocks, with memory linear in the sequence length.
+
+    **Arguments:**
+
+    - `q`: queries `(*batch, heads, seq_q, dim)`; any number of leading axes, none too.
+    - `k`: keys `(*batch, kv_heads, seq_k, dim)`; `kv_heads` divides `heads` (GQA/MQA).
+    - `v`: values `(*batch, kv_heads, seq_k, dim_v)`.
+    - `mask`: key-padding mask `(*batch, [heads,] seq_k)`, bool or integer (non-zero
+        attends); the heads axis may be left out, seed style.
+    - `attn_mask`: dense bool mask broadcastable to `(*batch, heads, seq_q, seq_k)`.
+    - `causal`: query `i` attends to keys `j <= i + seq_k - seq_q` (bottom-right aligned).
+    - `window`: `(left, right)` or `w` for `(w, w)`: query `i` sees keys
+        `p - left <= j <= p + right` with `p = i + seq_k - seq_q`; `None` is unbounded.
+    - `q_segment_ids`, `kv_segment_ids`: integer ids `(*batch, [heads,] seq_q|seq_k)`; a
+        query attends only to keys with an equal id. Both or neither.
+    - `scale`: logit scale, default `1/sqrt(dim)`.
+    - `softcap`: if given, logits become `softcap * tanh(logits / softcap)` after scaling.
+    - `block_q`, `block_k`: block sizes; default to values tuned for CPU.
+    - `dropout_rate`, `key`: dropout on the attention weights (needs a PRNG `key`).
+
+    **Returns:**
+
+    `(out, lse)`: `out` `(*batch, heads, seq_q, dim_v)` in q's dtype and the log-sum-exp
+    of the attended logits `(*batch, heads, seq_q)` in float32 (float64 for float64
+    inputs). A query with no key to attend gets `out = 0` and `lse = -inf`.
+    """
+    q, k, v, shapes = check_qkv(q, k, v)
+    masks = check_masks(shapes, mask, attn_mask, q_segment_ids, kv_segment_ids)
+    rate, key = check_dropout(dropout_rate, key)
+    cfg = make_config(
+        shapes,
+        causal=causal,
+        window=window,
+        scale=scale,
+        softcap=softcap,
+        block_q=block_q,
+        block_k=block_k,
+        dropout_rate=rate,
+        default_block_q=_config.DEFAULT_BLOCK_Q,
+        default_block_k=_config.DEFAULT_BLOCK_K,
+    )
+    seed = None if key is None else dropout_seed(key)
+    return _blockwise(q, k, v, masks, seed, cfg=cfg, shapes=shapes)
+
+
+def causal_flash_attention(
+    q: ArrayLike, k: ArrayLike, v: ArrayLike, mask: ArrayLike | None = None, **kwargs: Any
+) -> tuple[Array, Array]:
+    """`flash_attention(q, k, v, mask, causal=True, **kwargs)`."""
+    if "causal" in kwargs:
+        raise TypeError("causal_flash_attention is always causal; do not pass causal=")
+    return flash_attention(q, k, v, mask, causal=True, **kwargs)

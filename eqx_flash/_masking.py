@@ -1,0 +1,118 @@
+"""The one definition of which (query, key) pairs attend, and which are dropped.
+
+The blockwise kernels evaluate these functions on one block of positions, the reference
+on the whole grid, and `_schedule` reasons about the positional part block by block, so
+all three agree by construction.
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Int, UInt32
+
+from ._config import Window
+
+
+class Masks(NamedTuple):
+    """Data-dependent masks in the internal layout (`_layout.mask_to_internal`).
+
+    Each is `(batch|1, kv_heads|1, groups|1, seq_q|1, seq_k|1)` or None.
+    """
+
+    key_mask: Array | None = None
+    pair_mask: Array | None = None
+    q_segment_ids: Array | None = None
+    kv_segment_ids: Array | None = None
+
+    @property
+    def is_empty(self) -> bool:
+        return all(m is None for m in self)
+
+
+def positional_mask(
+    q_pos: Int[Array, "*#b"], k_pos: Int[Array, "*#b"], seq_q: int, seq_k: int, window: Window
+) -> Bool[Array, "*b"]:
+    """Bottom-right aligned window (causal is `right=0`) and key padding (`k_pos < seq_k`)."""
+    p = q_pos + (seq_k - seq_q)
+    allowed = k_pos < seq_k
+    if window.left is not None:
+        allowed = allowed & (k_pos >= p - window.left)
+    if window.right is not None:
+        allowed = allowed & (k_pos <= p + window.right)
+    return allowed
+
+
+def _block(x: Array, q_start: Array | int, k_start: Array | int, block_q: int, block_k: int):
+    """Slice one block out of a mask whose seq axes may be broadcast (size 1)."""
+    if x.shape[-2] != 1:
+        x = jax.lax.dynamic_slice_in_dim(x, q_start, block_q, axis=-2)
+    if x.shape[-1] != 1:
+        x = jax.lax.dynamic_slice_in_dim(x, k_start, block_k, axis=-1)
+    return x
+
+
+def data_mask(
+    masks: Masks, q_start: Array | int, k_start: Array | int, block_q: int, block_k: int
+) -> Array | None:
+    """AND of the data-dependent masks over one block (None when there are none)."""
+    allowed = None
+
+    def conj(a, b):
+        return b if a is None else a & b
+
+    if masks.key_mask is not None:
+        allowed = conj(allowed, _block(masks.key_mask, q_start, k_start, block_q, block_k) != 0)
+    if masks.pair_mask is not None:
+        allowed = conj(allowed, _block(masks.pair_mask, q_start, k_start, block_q, block_k))
+    if masks.q_segment_ids is not None and masks.kv_segment_ids is not None:
+        qs = _block(masks.q_segment_ids, q_start, k_start, block_q, block_k)
+        ks = _block(masks.kv_segment_ids, q_start, k_start, block_q, block_k)
+        allowed = conj(allowed, qs == ks)
+    return allowed
+
+
+# --- dropout: a counter-based hash, so a pattern never depends on how work is blocked ---
+
+
+def _mix(h: UInt32[Array, "*b"]) -> UInt32[Array, "*b"]:
+    """A 32-bit integer finaliser ("lowbias32"); bijective and well mixed."""
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x7FEB352D)
+    h = h ^ (h >> 15)
+    h = h * jnp.uint32(0x846CA68B)
+    return h ^ (h >> 16)
+
+
+def dropout_seed(key: Array) -> UInt32[Array, ""]:
+    """Fold a PRNG key (any implementation) into one 32-bit seed."""
+    words = jax.random.key_data(key).reshape(-1).astype(jnp.uint32)
+    h = jnp.uint32(0x9E3779B9)
+    for i in range(words.shape[0]):
+        h = _mix(h ^ words[i])
+    return h
+
+
+def dropout_keep(
+    seed: UInt32[Array, ""],
+    head_index: Int[Array, "*#b"],
+    q_pos: Int[Array, "*#b"],
+    k_pos: Int[Array, "*#b"],
+    rate: float,
+) -> Bool[Array, "*b"]:
+    """Whether attention weight (head, i, j) survives dropout: a pure function of
+    (key, flat leading index, i, j), so kernels and reference drop the same entries."""
+    row = _mix(_mix(seed ^ head_index.astype(jnp.uint32)) ^ q_pos.astype(jnp.uint32))
+    col = _mix(k_pos.astype(jnp.uint32) ^ jnp.uint32(0x68E31DA4))
+    h = _mix(row + col)
+    threshold = jnp.uint32(min(int(rate * 2.0**32), 2**32 - 1))
+    return h >= threshold
+
+
+def head_index(batch: int, kv_heads: int, groups: int) -> Int[Array, "b h g 1 1"]:
+    """Flat index of each (batch, kv_head, group) over q's leading axes (heads included)."""
+    heads = kv_heads * groups
+    b = jnp.arange(batch, dtype=jnp.int32)[:, None, None]
+    h = jnp.arange(kv_heads, dtype=jnp.int32)[None, :, None]
+    g = jnp.arange(groups, dtype=jnp.int32)[None, None, :]
+    return (b * heads + h * groups + g)[..., None, None]

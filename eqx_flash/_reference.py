@@ -1,0 +1,80 @@
+"""`plain_attention`: the materialising reference. Obviously correct, never fast.
+
+It builds the whole `(seq_q, seq_k)` logit matrix, so use it on small problems: as the
+oracle in tests, and to check other attention implementations against.
+"""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, ArrayLike
+
+from ._layout import merge_heads, split_heads
+from ._masking import data_mask, dropout_keep, dropout_seed, head_index, positional_mask
+from ._validation import check_dropout, check_masks, check_qkv, make_config
+
+
+def plain_attention(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    mask: ArrayLike | None = None,
+    *,
+    attn_mask: ArrayLike | None = None,
+    causal: bool = False,
+    window: int | tuple[int | None, int | None] | None = None,
+    q_segment_ids: ArrayLike | None = None,
+    kv_segment_ids: ArrayLike | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    dropout_rate: float = 0.0,
+    key: Any = None,
+) -> tuple[Array, Array]:
+    """Reference attention with exactly the semantics of `flash_attention` (which see),
+    computed by materialising every logit, in float32 (float64 for float64 inputs)."""
+    q, k, v, s = check_qkv(q, k, v)
+    masks = check_masks(s, mask, attn_mask, q_segment_ids, kv_segment_ids)
+    rate, key = check_dropout(dropout_rate, key)
+    cfg = make_config(
+        s, causal=causal, window=window, scale=scale, softcap=softcap, block_q=None,
+        block_k=None, dropout_rate=rate, default_block_q=s.seq_q, default_block_k=s.seq_k,
+    )
+    stat = jnp.promote_types(q.dtype, jnp.float32)
+    q5, k4, v4 = (x.astype(stat) for x in split_heads(q, k, v, s))
+    # Repeat kv heads over their query groups: (b, kv_heads, groups, seq_k, dim).
+    k5 = jnp.broadcast_to(k4[:, :, None], (s.batch, s.kv_heads, s.groups, s.seq_k, s.dim))
+    v5 = jnp.broadcast_to(v4[:, :, None], (s.batch, s.kv_heads, s.groups, s.seq_k, s.dim_v))
+
+    logits = jnp.einsum("bhgqd,bhgkd->bhgqk", q5, k5) * cfg.scale
+    if cfg.softcap is not None:
+        logits = cfg.softcap * jnp.tanh(logits / cfg.softcap)
+
+    q_pos = jnp.arange(s.seq_q)[:, None]
+    k_pos = jnp.arange(s.seq_k)[None, :]
+    allowed = positional_mask(q_pos, k_pos, s.seq_q, s.seq_k, cfg.window)
+    data = data_mask(masks, 0, 0, s.seq_q, s.seq_k)
+    if data is not None:
+        allowed = allowed & data
+    allowed = jnp.broadcast_to(allowed, logits.shape)
+
+    # Softmax over attended keys only; a row with none gets weights 0 and lse -inf.
+    # The double `where` keeps masked entries out of exp, so gradients stay finite.
+    logits = jnp.where(allowed, logits, 0.0)
+    row_max = jax.lax.stop_gradient(jnp.max(jnp.where(allowed, logits, -jnp.inf), axis=-1))
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    unnormalised = jnp.where(allowed, jnp.exp(logits - row_max[..., None]), 0.0)
+    total = unnormalised.sum(axis=-1)
+    attended = total > 0
+    safe_total = jnp.where(attended, total, 1.0)
+    weights = unnormalised / safe_total[..., None]
+    lse = jnp.where(attended, row_max + jnp.log(safe_total), -jnp.inf)
+
+    if key is not None:
+        keep = dropout_keep(
+            dropout_seed(key), head_index(s.batch, s.kv_heads, s.groups), q_pos, k_pos, rate
+        )
+        weights = jnp.where(keep, weights / (1.0 - rate), 0.0)
+
+    out = jnp.einsum("bhgqk,bhgkd->bhgqd", weights, v5).astype(q.dtype)
+    return merge_heads(out, lse, s)

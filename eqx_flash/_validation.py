@@ -1,0 +1,146 @@
+"""Argument checks shared by every public entry point, with messages that name the argument.
+
+All checks are on static properties (shapes, dtypes, Python scalars), so they also run,
+at trace time, under `jax.jit`.
+"""
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, ArrayLike
+
+from ._config import KernelConfig, Window, check_block_size, choose_block, make_window
+from ._layout import Shapes, mask_to_internal, shapes_of
+from ._masking import Masks
+
+
+def as_float_array(name: str, x: ArrayLike) -> Array:
+    x = jnp.asarray(x) if not isinstance(x, jax.Array) else x
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"{name} must have a floating dtype; got {name}.dtype={x.dtype}")
+    return x
+
+
+def check_qkv(q: ArrayLike, k: ArrayLike, v: ArrayLike) -> tuple[Array, Array, Array, Shapes]:
+    q, k, v = as_float_array("q", q), as_float_array("k", k), as_float_array("v", v)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(
+            "q, k and v must share one floating dtype; "
+            f"got q.dtype={q.dtype}, k.dtype={k.dtype}, v.dtype={v.dtype}"
+        )
+    return q, k, v, shapes_of(q, k, v)
+
+
+def _mask_like(name: str, x: ArrayLike | None, s: Shapes, kind, integer_only: bool):
+    if x is None:
+        return None
+    x = jnp.asarray(x) if not isinstance(x, jax.Array) else x
+    if integer_only:
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise TypeError(f"{name} must have an integer dtype; got {name}.dtype={x.dtype}")
+        x = x.astype(jnp.int32)
+    else:
+        if not (x.dtype == jnp.bool_ or jnp.issubdtype(x.dtype, jnp.integer)):
+            raise TypeError(
+                f"{name} must be boolean (or integer, non-zero attends); "
+                f"got {name}.dtype={x.dtype}"
+            )
+        x = x != 0 if x.dtype != jnp.bool_ else x
+    return mask_to_internal(x, s, kind, name)
+
+
+def check_masks(
+    s: Shapes,
+    mask: ArrayLike | None,
+    attn_mask: ArrayLike | None,
+    q_segment_ids: ArrayLike | None,
+    kv_segment_ids: ArrayLike | None,
+) -> Masks:
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        given = "q_segment_ids" if q_segment_ids is not None else "kv_segment_ids"
+        raise ValueError(
+            f"q_segment_ids and kv_segment_ids must be given together; only {given} was given"
+        )
+    return Masks(
+        key_mask=_mask_like("mask", mask, s, "keys", integer_only=False),
+        pair_mask=_mask_like("attn_mask", attn_mask, s, "pairs", integer_only=False),
+        q_segment_ids=_mask_like("q_segment_ids", q_segment_ids, s, "queries", True),
+        kv_segment_ids=_mask_like("kv_segment_ids", kv_segment_ids, s, "keys", True),
+    )
+
+
+def _static_float(name: str, value: Any, positive: bool) -> float:
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(f"{name} must be a concrete Python float, not a traced value")
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be a real number; got {value!r}")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a real number; got {value!r}") from None
+    if not math.isfinite(number) or (positive and number <= 0):
+        raise ValueError(f"{name} must be finite{' and > 0' if positive else ''}; got {value!r}")
+    return number
+
+
+def check_dropout(dropout_rate: Any, key: Any) -> tuple[float, Array | None]:
+    if isinstance(dropout_rate, jax.core.Tracer):
+        raise TypeError("dropout_rate must be a concrete Python float, not a traced value")
+    try:
+        rate = float(dropout_rate)
+    except (TypeError, ValueError):
+        raise TypeError(f"dropout_rate must be a float in [0, 1); got {dropout_rate!r}") from None
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"dropout_rate must be in [0, 1); got {dropout_rate!r}")
+    if rate == 0.0:
+        return 0.0, None
+    if key is None:
+        raise ValueError(f"dropout_rate={rate} > 0 needs a PRNG key: pass key=jax.random.key(...)")
+    if not isinstance(key, jax.Array | np.ndarray):
+        raise TypeError(f"key must be a JAX PRNG key; got {type(key).__name__}")
+    if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        if key.dtype == jnp.uint32 and key.shape == (2,):
+            key = jax.random.wrap_key_data(key)  # a legacy jax.random.PRNGKey
+        else:
+            raise TypeError(
+                f"key must be a single PRNG key from jax.random.key; got key.dtype={key.dtype}, "
+                f"key.shape={key.shape}"
+            )
+    if key.shape != ():
+        raise ValueError(f"key must be a single (scalar) PRNG key; got key.shape={key.shape}")
+    return rate, key
+
+
+def make_config(
+    s: Shapes,
+    *,
+    causal: bool,
+    window: Any,
+    scale: Any,
+    softcap: Any,
+    block_q: Any,
+    block_k: Any,
+    dropout_rate: float,
+    default_block_q: int,
+    default_block_k: int,
+) -> KernelConfig:
+    if not isinstance(causal, bool | np.bool_):
+        raise TypeError(f"causal must be a bool; got {causal!r}")
+    win: Window = make_window(window, bool(causal))
+    scale = 1.0 / math.sqrt(s.dim) if scale is None else _static_float("scale", scale, positive=False)
+    softcap = None if softcap is None else _static_float("softcap", softcap, positive=True)
+    check_block_size("block_q", block_q)
+    check_block_size("block_k", block_k)
+    return KernelConfig(
+        seq_q=s.seq_q,
+        seq_k=s.seq_k,
+        block_q=choose_block(block_q, default_block_q, s.seq_q),
+        block_k=choose_block(block_k, default_block_k, s.seq_k),
+        window=win,
+        scale=scale,
+        softcap=softcap,
+        dropout_rate=dropout_rate,
+    )
