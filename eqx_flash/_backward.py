@@ -83,7 +83,7 @@ def backward(
         d_v = jax.lax.dynamic_update_slice_in_dim(d_v, dv_b, k_start, axis=2)
         return (d_q, d_k, d_v), None
 
-    schedule = block_schedule(cfg.seq_q, cfg.seq_k, bq, bk, cfg.window)
+    schedule = block_schedule(cfg.seq_q, cfg.seq_k, bq, bk, cfg.window, cfg.offset)
     carry = (d_q, d_k, d_v)
     for pairs, positional in ((schedule.partial, True), (schedule.full, False)):
         if len(pairs):

@@ -36,7 +36,7 @@ def allowed(
     if positional:
         q_pos = q_start + jnp.arange(cfg.block_q, dtype=jnp.int32)[:, None]
         k_pos = k_start + jnp.arange(cfg.block_k, dtype=jnp.int32)[None, :]
-        pos = positional_mask(q_pos, k_pos, cfg.seq_q, cfg.seq_k, cfg.window)
+        pos = positional_mask(q_pos, k_pos, cfg.offset, cfg.seq_k, cfg.window)
         mask = pos if mask is None else mask & pos
     return mask
 

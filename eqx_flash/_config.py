@@ -53,7 +53,12 @@ def make_window(window: int | tuple[int | None, int | None] | None, causal: bool
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
     """Everything static about one kernel call, resolved; hashable, so it can be a
-    `custom_vjp` nondiff argument. `seq_q`/`seq_k` are the true (unpadded) lengths."""
+    `custom_vjp` nondiff argument. `seq_q`/`seq_k` are the true (unpadded) lengths.
+
+    Query row `i` sits at aligned position `p = i + diagonal_offset` (the window is around
+    `p`); it is `seq_k - seq_q` (bottom-right) unless a caller such as the ring kernel
+    places a chunk of queries against a chunk of keys elsewhere in the sequence.
+    """
 
     seq_q: int
     seq_k: int
@@ -63,6 +68,11 @@ class KernelConfig:
     scale: float
     softcap: float | None = None
     dropout_rate: float = 0.0
+    diagonal_offset: int | None = None  # None: seq_k - seq_q
+
+    @property
+    def offset(self) -> int:
+        return self.seq_k - self.seq_q if self.diagonal_offset is None else self.diagonal_offset
 
 
 def check_block_size(name: str, value: int | None) -> None:

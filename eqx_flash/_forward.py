@@ -63,7 +63,7 @@ def forward(
         row_sum = jax.lax.dynamic_update_slice_in_dim(row_sum, sum_b, q_start, axis=3)
         return (acc, row_max, row_sum), None
 
-    schedule = block_schedule(cfg.seq_q, cfg.seq_k, bq, bk, cfg.window)
+    schedule = block_schedule(cfg.seq_q, cfg.seq_k, bq, bk, cfg.window, cfg.offset)
     carry = (acc, row_max, row_sum)
     for pairs, positional in ((schedule.partial, True), (schedule.full, False)):
         if len(pairs):

@@ -31,10 +31,11 @@ class Masks(NamedTuple):
 
 
 def positional_mask(
-    q_pos: Int[Array, "*#b"], k_pos: Int[Array, "*#b"], seq_q: int, seq_k: int, window: Window
+    q_pos: Int[Array, "*#b"], k_pos: Int[Array, "*#b"], offset: int, seq_k: int, window: Window
 ) -> Bool[Array, "*b"]:
-    """Bottom-right aligned window (causal is `right=0`) and key padding (`k_pos < seq_k`)."""
-    p = q_pos + (seq_k - seq_q)
+    """Window around `p = q_pos + offset` (causal is `right=0`; the public API aligns
+    bottom-right, `offset = seq_k - seq_q`) and key padding (`k_pos < seq_k`)."""
+    p = q_pos + offset
     allowed = k_pos < seq_k
     if window.left is not None:
         allowed = allowed & (k_pos >= p - window.left)

@@ -23,13 +23,13 @@ class Schedule(NamedTuple):
 
 
 def block_schedule(
-    seq_q: int, seq_k: int, block_q: int, block_k: int, window: Window
+    seq_q: int, seq_k: int, block_q: int, block_k: int, window: Window, offset: int
 ) -> Schedule:
+    """Pairs for query rows at aligned positions `i + offset` (see `KernelConfig`)."""
     num_q = -(-seq_q // block_q)
     num_k = -(-seq_k // block_k)
     qb, kb = np.meshgrid(np.arange(num_q), np.arange(num_k), indexing="ij")
     qb, kb = qb.reshape(-1), kb.reshape(-1)
-    offset = seq_k - seq_q
     # Aligned positions p of the first and last real query row of each block.
     p_first = qb * block_q + offset
     p_last = np.minimum(qb * block_q + block_q, seq_q) - 1 + offset
