@@ -1,0 +1,432 @@
+"""Test utilities for attention code: Hypothesis strategies and an exactness checker.
+
+```python
+from hypothesis import given
+from eqx_flash.testing import attention_inputs, check_attention
+
+@given(attention_inputs(causal=False))
+def test_my_attention(inputs):
+    check_attention(my_attention, inputs)
+```
+
+`attention_inputs` needs the optional dependency `hypothesis` (`pip install
+eqx_flash[testing]`); it is imported when the strategy is built, so `import eqx_flash` and
+`check_attention` never need it.
+"""
+
+import dataclasses
+import functools
+import inspect
+import math
+import types
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, DTypeLike
+
+from ._reference import plain_attention
+from ._sanity import value_and_grad_difference as value_and_grad_difference
+
+if TYPE_CHECKING:
+    from hypothesis.strategies import SearchStrategy
+
+__all__ = [
+    "AttentionInputs",
+    "Tolerance",
+    "TOLERANCES",
+    "attention_inputs",
+    "check_attention",
+    "value_and_grad_difference",
+]
+
+# Few distinct sizes keep the number of compiled programs small. Lengths that are not
+# multiples of the block sizes, 1, and lengths just over a block boundary are all here.
+SEQ_LENGTHS = (1, 7, 16, 33, 64, 100, 130)
+DIMS = (8, 16)
+BATCH_SHAPES = ((), (2,), (2, 1))
+HEADS = ((1, 1), (2, 2), (2, 1), (4, 2), (4, 1))  # (heads, kv_heads): MHA, MQA, GQA
+BLOCK_SIZES = (8, 16, 32, None)
+WINDOW_SIDES = (None, 0, 3, 17)
+SOFTCAPS = (2.0, 5.0)
+SCALES = (0.05, 0.5, 1.0)
+# Logits are drawn with about this standard deviation: the softmax is peaked (a max of
+# ~5 over 100 keys) but far from one-hot, so errors in any weight show in the output.
+LOGIT_STD = 2.0
+
+
+def _short(x: Any) -> str:
+    if isinstance(x, jax.Array | np.ndarray):
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return f"key{list(x.shape)}"
+        return f"{x.dtype}{list(x.shape)}"
+    return repr(x)
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class AttentionInputs:
+    """One attention problem: call `fn(inputs.q, inputs.k, inputs.v, **inputs.kwargs)`.
+
+    **Fields:**
+
+    - `q`: `(*batch, heads, seq_q, dim)`.
+    - `k`: `(*batch, kv_heads, seq_k, dim)`.
+    - `v`: `(*batch, kv_heads, seq_k, dim_v)`.
+    - `kwargs`: read-only mapping of keyword arguments for `flash_attention` (`mask`,
+        `attn_mask`, `causal`, `window`, segment ids, `scale`, `softcap`, block sizes, ...).
+        Build a variant with `dataclasses.replace(inputs, kwargs={**inputs.kwargs, ...})`.
+
+    Its `repr` shows shapes and dtypes, not values, so Hypothesis reports stay readable.
+    """
+
+    q: Array
+    k: Array
+    v: Array
+    kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        object.__setattr__(self, "kwargs", types.MappingProxyType(dict(self.kwargs)))
+
+    def __repr__(self) -> str:
+        kwargs = ", ".join(f"{name}={_short(value)}" for name, value in self.kwargs.items())
+        return (
+            f"AttentionInputs(q={_short(self.q)}, k={_short(self.k)}, v={_short(self.v)}, "
+            f"kwargs=dict({kwargs}))"
+        )
+
+
+# --- the strategy -----------------------------------------------------------------------
+
+
+def _maybe(draw, flag: bool | None) -> bool:
+    from hypothesis import strategies as st
+
+    return flag if flag is not None else draw(st.booleans())
+
+
+def _default_dtypes() -> tuple[Any, ...]:
+    base = (jnp.float32, jnp.bfloat16, jnp.float16)
+    return (*base, jnp.float64) if jax.config.read("jax_enable_x64") else base
+
+
+def attention_inputs(
+    *,
+    dtypes: Sequence[DTypeLike] | None = None,
+    seq_lengths: Sequence[int] = SEQ_LENGTHS,
+    max_seq: int | None = None,
+    dims: Sequence[int] = DIMS,
+    batch_shapes: Sequence[tuple[int, ...]] = BATCH_SHAPES,
+    heads: Sequence[tuple[int, int]] = HEADS,
+    block_sizes: Sequence[int | None] = BLOCK_SIZES,
+    causal: bool | None = None,
+    window: bool | None = None,
+    mask: bool | None = None,
+    attn_mask: bool | None = None,
+    segment_ids: bool | None = None,
+    softcap: bool | None = None,
+    scale: bool | None = None,
+    fully_masked_rows: bool | None = None,
+    dropout: bool = False,
+) -> "SearchStrategy[AttentionInputs]":
+    """A Hypothesis strategy of [`AttentionInputs`][]: random attention problems.
+
+    Sizes come from small sets so that few distinct programs are compiled. Arrays are
+    made with a NumPy generator from a drawn integer seed; floating inputs are drawn in float32
+    and cast, and scaled so that the softmax is neither uniform nor one-hot.
+
+    **Arguments:**
+
+    Each `bool | None` feature is drawn when `None`, always used when `True` and never
+    when `False`.
+
+    - `dtypes`: input dtypes; default float32, bfloat16, float16, and float64 when
+        `jax_enable_x64` is on.
+    - `seq_lengths`, `max_seq`: the lengths `seq_q` and `seq_k` are drawn from
+        (independently, so both `seq_q < seq_k` and `seq_q > seq_k` occur), at most `max_seq`.
+    - `dims`: head dims; `dim` and `dim_v` are drawn independently from it.
+    - `batch_shapes`: the leading axes before the heads axis.
+    - `heads`: `(heads, kv_heads)` pairs; `kv_heads < heads` is grouped-query attention.
+    - `block_sizes`: `block_q` and `block_k` (`None`: the default) are drawn from it.
+    - `causal`, `window`: causal attention; a `(left, right)` or symmetric window.
+    - `mask`: a key-padding mask `(*batch, [heads,] seq_k)` (bool or integer).
+    - `attn_mask`: a dense bool mask, `(seq_q, seq_k)` or `(*batch, heads, seq_q, seq_k)`.
+    - `segment_ids`: `q_segment_ids`/`kv_segment_ids`, sorted (packed sequences).
+    - `softcap`, `scale`: a logit soft cap small enough to matter; an explicit scale.
+    - `fully_masked_rows`: mask out every key of some query rows on purpose (with `False`
+        other features, such as `causal` with `seq_q > seq_k`, may still leave rows empty).
+    - `dropout`: draw `dropout_rate` in `(0, 1)` and a `key` (off unless `True`).
+
+    **Returns:**
+
+    A `SearchStrategy[AttentionInputs]`.
+    """
+    from hypothesis import strategies as st
+
+    dtypes = tuple(_default_dtypes() if dtypes is None else dtypes)
+    lengths = tuple(n for n in seq_lengths if max_seq is None or n <= max_seq)
+    if not lengths:
+        raise ValueError(f"no sequence length in {tuple(seq_lengths)} is <= {max_seq=}")
+    for name, options in (
+        ("dtypes", dtypes),
+        ("dims", dims),
+        ("batch_shapes", batch_shapes),
+        ("heads", heads),
+        ("block_sizes", block_sizes),
+    ):
+        if not options:
+            raise ValueError(f"{name} must not be empty")
+    if fully_masked_rows and mask is False and attn_mask is False:
+        raise ValueError("fully_masked_rows=True needs mask or attn_mask to be allowed")
+
+    @st.composite
+    def strategy(draw) -> AttentionInputs:
+        dtype = draw(st.sampled_from(dtypes))
+        batch_shape = tuple(draw(st.sampled_from(tuple(batch_shapes))))
+        n_heads, kv_heads = draw(st.sampled_from(tuple(heads)))
+        seq_q = draw(st.sampled_from(lengths))
+        seq_k = draw(st.sampled_from(lengths))
+        dim = draw(st.sampled_from(tuple(dims)))
+        dim_v = draw(st.sampled_from(tuple(dims)))
+        seed = draw(st.integers(0, 2**32 - 1))
+        # NumPy, not jax.random: eager jax.random compiles a program for every new shape.
+        rng = np.random.default_rng(seed)
+        lead, kv_lead = (*batch_shape, n_heads), (*batch_shape, kv_heads)
+        kwargs: dict[str, Any] = {}
+
+        # Masks first, so that fully masked rows can be forced into one of them.
+        empty_rows = _maybe(draw, fully_masked_rows)
+        use_mask = _maybe(draw, mask)
+        use_attn_mask = _maybe(draw, attn_mask)
+        if empty_rows and not (use_mask or use_attn_mask):
+            use_mask, use_attn_mask = (True, False) if mask is not False else (False, True)
+        if use_mask:
+            shape = (*lead, seq_k) if draw(st.booleans()) else (*batch_shape, seq_k)
+            keep = draw(st.sampled_from((0.5, 0.9)))
+            m = rng.random(shape) < keep
+            if empty_rows and not use_attn_mask:
+                m[(0,) * (m.ndim - 1)] = False
+            if draw(st.integers(0, 3)) == 0:
+                m = m.astype(np.int32)  # integer masks: non-zero attends
+            kwargs["mask"] = jnp.asarray(m)
+        if use_attn_mask:
+            shape = (*lead, seq_q, seq_k) if draw(st.booleans()) else (seq_q, seq_k)
+            m = rng.random(shape) < 0.7
+            if empty_rows:
+                m[..., draw(st.integers(0, seq_q - 1)), :] = False
+            kwargs["attn_mask"] = jnp.asarray(m)
+        if _maybe(draw, segment_ids):
+            per_head = draw(st.booleans())
+            for name, seq in (("q_segment_ids", seq_q), ("kv_segment_ids", seq_k)):
+                shape = (*lead, seq) if per_head else (*batch_shape, seq)
+                ids = np.sort(rng.integers(0, 3, shape, dtype=np.int32), axis=-1)
+                kwargs[name] = jnp.asarray(ids)
+        if _maybe(draw, causal):
+            kwargs["causal"] = True
+        if _maybe(draw, window):
+            left = draw(st.sampled_from(WINDOW_SIDES))
+            right = draw(st.sampled_from(WINDOW_SIDES))
+            symmetric = left is not None and draw(st.booleans())
+            kwargs["window"] = left if symmetric else (left, right)
+        scale_value = draw(st.sampled_from(SCALES)) if _maybe(draw, scale) else None
+        if scale_value is not None:
+            kwargs["scale"] = scale_value
+        if _maybe(draw, softcap):
+            kwargs["softcap"] = draw(st.sampled_from(SOFTCAPS))
+        for name in ("block_q", "block_k"):
+            block = draw(st.sampled_from(tuple(block_sizes)))
+            if block is not None:
+                kwargs[name] = block
+        if dropout:
+            kwargs["dropout_rate"] = draw(st.sampled_from((0.1, 0.5)))
+            kwargs["key"] = jax.random.key(seed)
+
+        # q.k has standard deviation |q_scale| * sqrt(dim) for unit normal entries.
+        used_scale = 1 / math.sqrt(dim) if scale_value is None else scale_value
+        q_scale = LOGIT_STD / (used_scale * math.sqrt(dim))
+        q = q_scale * rng.standard_normal((*lead, seq_q, dim), np.float32)
+        k = rng.standard_normal((*kv_lead, seq_k, dim), np.float32)
+        v = rng.standard_normal((*kv_lead, seq_k, dim_v), np.float32)
+        q, k, v = (jnp.asarray(x.astype(jnp.dtype(dtype))) for x in (q, k, v))
+        return AttentionInputs(q, k, v, kwargs)
+
+    return strategy()
+
+
+# --- the checker ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    """`|got - expected| <= atol * size + rtol * |expected|` elementwise, where `size` is 1
+    for `out` and `lse` and the largest `|expected|` of the tensor for gradients (whose
+    magnitude grows with the sequence lengths)."""
+
+    out: tuple[float, float]
+    lse: tuple[float, float]
+    grad: tuple[float, float]
+
+
+# (atol, rtol) per input dtype; calibrated on eqx_flash.flash_attention against
+# plain_attention with a margin of several times the worst error seen.
+TOLERANCES: dict[Any, Tolerance] = {
+    jnp.dtype(jnp.float64): Tolerance(out=(1e-10, 1e-10), lse=(1e-10, 1e-10), grad=(1e-9, 1e-9)),
+    jnp.dtype(jnp.float32): Tolerance(out=(2e-5, 2e-5), lse=(2e-5, 2e-5), grad=(1e-4, 1e-4)),
+    jnp.dtype(jnp.float16): Tolerance(out=(4e-3, 4e-3), lse=(2e-5, 2e-5), grad=(1e-2, 1e-2)),
+    jnp.dtype(jnp.bfloat16): Tolerance(out=(3e-2, 3e-2), lse=(2e-5, 2e-5), grad=(8e-2, 8e-2)),
+}
+
+
+def _accepts(fn: Callable[..., Any], name: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return any(p.kind is p.VAR_KEYWORD or p.name == name for p in params)
+
+
+def _split_outputs(result: Any) -> tuple[Array, Array | None]:
+    if isinstance(result, tuple | list):
+        return result[0], (result[1] if len(result) > 1 else None)
+    return result, None
+
+
+def _evaluate(fn, static, q, k, v, arrays, weights, grads: bool):
+    """`out`, `lse` (or None) and, with `grads`, the gradients with respect to q, k, v of
+    `sum(w * out) + sum(u * lse over its finite entries)` for `weights = (w, u)`."""
+    kwargs = {**dict(static), **arrays}
+
+    def call(q, k, v):
+        return _split_outputs(fn(q, k, v, **kwargs))
+
+    w, u = weights
+    if not grads:
+        return (*call(q, k, v), None)
+    (out, lse), vjp = jax.vjp(call, q, k, v)
+    if out.shape != w.shape or (lse is not None and lse.shape != u.shape):
+        return out, lse, None  # reported as a shape mismatch
+    d_lse = None if lse is None else jnp.where(jnp.isfinite(lse), u, 0.0).astype(lse.dtype)
+    return out, lse, vjp((w.astype(out.dtype), d_lse))
+
+
+_evaluate_jit = jax.jit(_evaluate, static_argnums=(0, 1, 7))
+
+
+def _run(fn, kwargs: Mapping[str, Any], q, k, v, weights, grads: bool, jit: bool):
+    kwargs = {
+        name: value
+        for name, value in kwargs.items()
+        if name not in ("block_q", "block_k") or _accepts(fn, name)
+    }
+    arrays = {n: x for n, x in kwargs.items() if isinstance(x, jax.Array | np.ndarray)}
+    static = tuple((n, x) for n, x in kwargs.items() if n not in arrays)
+    if not jit:
+        return _evaluate(fn, static, q, k, v, arrays, weights, grads)
+    try:
+        hash((fn, static))
+    except TypeError:  # unhashable settings: compile this once, uncached
+        return jax.jit(functools.partial(_evaluate, fn, static), static_argnums=(5,))(
+            q, k, v, arrays, weights, grads
+        )
+    return _evaluate_jit(fn, static, q, k, v, arrays, weights, grads)
+
+
+def _weights(inputs: "AttentionInputs", seed: int) -> tuple[Array, Array]:
+    # Made with NumPy outside the traced function: jax.random would add a threefry
+    # program to every compilation.
+    rng = np.random.default_rng(seed)
+    lse_shape = inputs.q.shape[:-1]
+    w = rng.standard_normal((*lse_shape, inputs.v.shape[-1]), np.float32)
+    return jnp.asarray(w), jnp.asarray(rng.standard_normal(lse_shape, np.float32))
+
+
+def _compare(
+    name: str, got: Any, expected: Any, tol: tuple[float, float], per_tensor: bool
+) -> str | None:
+    got = np.asarray(jnp.asarray(got).astype(jnp.float32), dtype=np.float64)
+    expected = np.asarray(jnp.asarray(expected).astype(jnp.float32), dtype=np.float64)
+    if got.shape != expected.shape:
+        return f"{name}: shape {got.shape}, expected {expected.shape}"
+    if got.size == 0:
+        return None
+    neg_inf = np.isneginf(expected)
+    wrong_inf = neg_inf != np.isneginf(got)
+    if wrong_inf.any():
+        where = tuple(int(i) for i in np.argwhere(wrong_inf)[0])
+        return (
+            f"{name}: -inf at {int(np.isneginf(got).sum())} entries, expected exactly at "
+            f"{int(neg_inf.sum())}; first mismatch at {where}: got {got[where]!r}, "
+            f"expected {expected[where]!r}"
+        )
+    atol, rtol = tol
+    size = float(np.max(np.abs(np.where(neg_inf, 0.0, expected)))) if per_tensor else 1.0
+    limit = atol * max(size, 1e-30 if per_tensor else 1.0) + rtol * np.abs(expected)
+    with np.errstate(invalid="ignore"):
+        diff = np.where(neg_inf, 0.0, np.abs(got - expected))
+        bad = ~(diff <= limit)  # NaN counts as bad
+    if not bad.any():
+        return None
+    excess = np.where(bad, np.nan_to_num(diff / limit, nan=np.inf, posinf=np.inf), -1.0)
+    where = tuple(int(i) for i in np.unravel_index(np.argmax(excess), excess.shape))
+    scale_text = f" * max|expected|={size:.3g}" if per_tensor else ""
+    return (
+        f"{name}: {int(bad.sum())} of {bad.size} entries out of tolerance; worst at {where}: "
+        f"got {got[where]:.6g}, expected {expected[where]:.6g}, |diff| {diff[where]:.3g} > "
+        f"{limit[where]:.3g} (atol {atol:g}{scale_text} + rtol {rtol:g} * |expected|)"
+    )
+
+
+def check_attention(
+    fn: Callable[..., Any],
+    inputs: AttentionInputs,
+    *,
+    reference: Callable[..., Any] = plain_attention,
+    grads: bool = True,
+    jit: bool = True,
+    tolerance: Tolerance | None = None,
+    seed: int = 0,
+) -> None:
+    """Assert that `fn` computes the same attention as `reference` on `inputs`.
+
+    Calls `fn(inputs.q, inputs.k, inputs.v, **inputs.kwargs)` and the reference the same
+    way (`block_q`/`block_k` are passed only to functions that accept them). Each returns
+    `(out, lse, ...)` or just `out`. Compares `out`; `lse`, which must be `-inf` exactly
+    where the reference's is; and, with `grads`, the gradients with respect to `q`, `k`, `v`
+    of a fixed random linear function of `out` and of the finite entries of `lse`.
+
+    **Arguments:**
+
+    - `fn`: the attention function under test.
+    - `inputs`: one problem, usually drawn from [`attention_inputs`][].
+    - `reference`: the oracle; default `plain_attention`.
+    - `grads`: also compare gradients.
+    - `jit`: run both functions under `jax.jit` (non-array keyword arguments static),
+        which compiles much faster than running op by op; `False` for functions that
+        cannot be traced.
+    - `tolerance`: overrides the per-dtype table `TOLERANCES` (chosen by `q`'s dtype).
+    - `seed`: seed of the random linear function the gradients are taken of.
+
+    **Raises:**
+
+    `AssertionError` listing, for each quantity out of tolerance, how many entries, the
+    worst one (index, both values, the difference and the tolerance), and the inputs.
+    """
+    tol = tolerance if tolerance is not None else TOLERANCES[jnp.dtype(inputs.q.dtype)]
+    q, k, v = inputs.q, inputs.k, inputs.v
+    weights = _weights(inputs, seed)
+    out, lse, grad = _run(fn, inputs.kwargs, q, k, v, weights, grads, jit)
+    ref_out, ref_lse, ref_grad = _run(reference, inputs.kwargs, q, k, v, weights, grads, jit)
+    problems = []
+    if jnp.dtype(out.dtype) != jnp.dtype(ref_out.dtype):
+        problems.append(f"out: dtype {out.dtype}, expected {ref_out.dtype}")
+    problems.append(_compare("out", out, ref_out, tol.out, per_tensor=False))
+    if lse is not None and ref_lse is not None:
+        problems.append(_compare("lse", lse, ref_lse, tol.lse, per_tensor=False))
+    if grad is not None and ref_grad is not None:
+        for name, g, r in zip(("dq", "dk", "dv"), grad, ref_grad, strict=True):
+            problems.append(_compare(name, g, r, tol.grad, per_tensor=True))
+    problems = [p for p in problems if p is not None]
+    if problems:
+        report = "\n".join(f"  {p}" for p in problems)
+        raise AssertionError(f"attention differs from the reference on {inputs!r}:\n{report}")

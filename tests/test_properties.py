@@ -1,0 +1,214 @@
+"""Hypothesis properties of `flash_attention`, each over `eqx_flash.testing.attention_inputs`.
+
+Compilation dominates the cost (each drawn configuration is a new program), so the main
+property gets the profile's full example count and the others a share of it.
+"""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from eqx_flash import flash_attention
+from eqx_flash.testing import TOLERANCES, AttentionInputs, attention_inputs, check_attention
+
+
+def share(fraction: float) -> settings:
+    """The active profile with `fraction` of its examples (at least 3)."""
+    return settings(max_examples=max(3, math.ceil(settings().max_examples * fraction)))
+
+
+def with_kwargs(inputs: AttentionInputs, **changes) -> AttentionInputs:
+    kwargs = {**inputs.kwargs, **changes}
+    return dataclasses.replace(inputs, kwargs={n: x for n, x in kwargs.items() if x is not None})
+
+
+def lead_of(inputs: AttentionInputs) -> tuple[int, ...]:
+    return inputs.q.shape[:-2]
+
+
+def linear_grads(inputs: AttentionInputs, seed: int = 0):
+    """`out`, `lse` and the gradients of a random linear function of them (finite lse)."""
+
+    def call(q, k, v):
+        return flash_attention(q, k, v, **inputs.kwargs)
+
+    (out, lse), vjp = jax.vjp(call, inputs.q, inputs.k, inputs.v)
+    key_out, key_lse = jax.random.split(jax.random.key(seed))
+    d_out = jax.random.normal(key_out, out.shape).astype(out.dtype)
+    d_lse = jnp.where(jnp.isfinite(lse), jax.random.normal(key_lse, lse.shape), 0.0)
+    return out, lse, vjp((d_out, d_lse.astype(lse.dtype)))
+
+
+@given(attention_inputs())
+def test_matches_reference(inputs):
+    check_attention(flash_attention, inputs)
+
+
+@share(0.25)
+@given(attention_inputs(), st.sampled_from([8, 16, 32, None]), st.sampled_from([8, 16, None]))
+def test_independent_of_block_sizes(inputs, block_q, block_k):
+    other = with_kwargs(inputs, block_q=block_q, block_k=block_k)
+
+    def reblocked(q, k, v, **kwargs):
+        return flash_attention(q, k, v, **{**kwargs, **other.kwargs})
+
+    check_attention(flash_attention, inputs, reference=reblocked, grads=False)
+
+
+@share(0.25)
+@given(attention_inputs(mask=True), st.integers(0, 2**31 - 1))
+def test_masked_keys_do_not_matter(inputs, seed):
+    heads, kv_heads = inputs.q.shape[-3], inputs.k.shape[-3]
+    mask = jnp.asarray(inputs.kwargs["mask"]) != 0
+    if mask.ndim == inputs.q.ndim - 2:  # no heads axis: shared by all heads
+        mask = mask[..., None, :]
+    mask = jnp.broadcast_to(mask, (*lead_of(inputs), mask.shape[-1]))
+    grouped = mask.reshape(*mask.shape[:-2], kv_heads, heads // kv_heads, mask.shape[-1])
+    dead = ~grouped.any(axis=-2)[..., None]  # keys that no query head of the group sees
+
+    key_k, key_v = jax.random.split(jax.random.key(seed))
+    noise_k = 10 * jax.random.normal(key_k, inputs.k.shape).astype(inputs.k.dtype)
+    noise_v = 10 * jax.random.normal(key_v, inputs.v.shape).astype(inputs.v.dtype)
+    changed = dataclasses.replace(
+        inputs, k=jnp.where(dead, noise_k, inputs.k), v=jnp.where(dead, noise_v, inputs.v)
+    )
+    out, lse, (_, dk, dv) = linear_grads(inputs)
+    out2, lse2 = flash_attention(changed.q, changed.k, changed.v, **changed.kwargs)
+    np.testing.assert_array_equal(np.asarray(out2, np.float32), np.asarray(out, np.float32))
+    np.testing.assert_array_equal(np.asarray(lse2), np.asarray(lse))
+    assert not jnp.any(jnp.where(dead, dk, 0) != 0), "dk is non-zero at masked keys"
+    assert not jnp.any(jnp.where(dead, dv, 0) != 0), "dv is non-zero at masked keys"
+
+
+@share(0.25)
+@given(
+    attention_inputs(mask=False, attn_mask=False, segment_ids=False),
+    st.sampled_from(["mask", "attn_mask", "segment_ids"]),
+)
+def test_trivial_masks_change_nothing(inputs, which):
+    lead, seq_q, seq_k = lead_of(inputs), inputs.q.shape[-2], inputs.k.shape[-2]
+    if which == "mask":
+        extra = dict(mask=jnp.ones((*lead, seq_k), bool))
+    elif which == "attn_mask":
+        extra = dict(attn_mask=jnp.ones((seq_q, seq_k), bool))
+    else:
+        extra = dict(
+            q_segment_ids=jnp.full((*lead[:-1], seq_q), 3, jnp.int32),
+            kv_segment_ids=jnp.full((*lead[:-1], seq_k), 3, jnp.int32),
+        )
+    masked = with_kwargs(inputs, **extra)
+    check_attention(flash_attention, masked, reference=flash_attention, grads=False)
+
+
+@share(0.25)
+@given(
+    attention_inputs(causal=False, window=False, attn_mask=False),
+    st.sampled_from(["tril", "window"]),
+)
+def test_causal_is_bottom_right_tril_and_a_window(inputs, form):
+    seq_q, seq_k = inputs.q.shape[-2], inputs.k.shape[-2]
+    if form == "tril":
+        same = dict(attn_mask=jnp.tri(seq_q, seq_k, seq_k - seq_q, dtype=bool))
+    else:
+        same = dict(window=(None, 0))
+
+    def equivalent(q, k, v, **kwargs):
+        return flash_attention(q, k, v, **{**kwargs, **same})
+
+    causal = with_kwargs(inputs, causal=True)
+    check_attention(flash_attention, causal, reference=equivalent, grads=False)
+
+
+@share(0.25)
+@given(attention_inputs(heads=[(2, 1), (4, 2), (4, 1)]))
+def test_gqa_equals_mha_with_repeated_kv(inputs):
+    groups = inputs.q.shape[-3] // inputs.k.shape[-3]
+
+    def repeated(q, k, v, **kwargs):
+        k, v = jnp.repeat(k, groups, axis=-3), jnp.repeat(v, groups, axis=-3)
+        return flash_attention(q, k, v, **kwargs)
+
+    check_attention(flash_attention, inputs, reference=repeated)
+
+
+@share(0.25)
+@given(attention_inputs(causal=False, window=False), st.integers(0, 2**31 - 1))
+def test_permuting_keys_and_values_together_changes_nothing(inputs, seed):
+    perm = jnp.asarray(np.random.default_rng(seed).permutation(inputs.k.shape[-2]))
+    key_axis_last = ("mask", "attn_mask", "kv_segment_ids")
+
+    def permuted(q, k, v, **kwargs):
+        for name in key_axis_last:
+            if name in kwargs and kwargs[name].shape[-1] != 1:
+                kwargs[name] = jnp.take(kwargs[name], perm, axis=-1)
+        k, v = jnp.take(k, perm, axis=-2), jnp.take(v, perm, axis=-2)
+        return flash_attention(q, k, v, **kwargs)
+
+    check_attention(flash_attention, inputs, reference=permuted, grads=False)
+
+
+@share(0.25)
+@given(attention_inputs())
+def test_rows_are_convex_combinations_of_values(inputs):
+    out, lse = flash_attention(inputs.q, inputs.k, inputs.v, **inputs.kwargs)
+    heads, kv_heads = inputs.q.shape[-3], inputs.k.shape[-3]
+    lead, seq_q, dim_v = lead_of(inputs), out.shape[-2], out.shape[-1]
+    v = np.asarray(inputs.v, np.float64)
+    grouped = np.asarray(out, np.float64).reshape(
+        *lead[:-1], kv_heads, heads // kv_heads, seq_q, dim_v
+    )
+    low, high = (f(v, axis=-2)[..., None, None, :] for f in (np.min, np.max))
+    atol, rtol = TOLERANCES[jnp.dtype(inputs.q.dtype)].out
+    margin = atol + rtol * np.maximum(np.abs(low), np.abs(high))
+    empty = np.isneginf(np.asarray(lse)).reshape(*grouped.shape[:-1])[..., None]
+    assert np.all(empty | (grouped >= low - margin)), "an output is below every value"
+    assert np.all(empty | (grouped <= high + margin)), "an output is above every value"
+    assert np.all(~empty | (grouped == 0)), "a row with no key to attend is not zero"
+
+
+def split_static(inputs: AttentionInputs):
+    arrays = {n: x for n, x in inputs.kwargs.items() if isinstance(x, jax.Array)}
+    static = {n: x for n, x in inputs.kwargs.items() if n not in arrays}
+    return arrays, static
+
+
+def assert_same(got, expected, inputs: AttentionInputs):
+    atol, rtol = TOLERANCES[jnp.dtype(inputs.q.dtype)].out
+    for g, e in zip(got, expected, strict=True):
+        np.testing.assert_allclose(
+            np.asarray(g, np.float64), np.asarray(e, np.float64), atol=atol, rtol=rtol
+        )
+
+
+@share(0.2)
+@given(attention_inputs())
+def test_vmap_equals_separate_calls(inputs):
+    arrays, static = split_static(inputs)
+
+    def call(q, k, v, arrays):
+        return flash_attention(q, k, v, **arrays, **static)
+
+    # A second problem of the same shapes: reversed queries and values, negated keys.
+    second = (inputs.q[..., ::-1, :], -inputs.k, inputs.v[..., ::-1, :], arrays)
+    first = (inputs.q, inputs.k, inputs.v, arrays)
+    stacked = jax.tree.map(lambda a, b: jnp.stack([a, b]), first, second)
+    batched = jax.vmap(call)(*stacked)
+    for i, problem in enumerate((first, second)):
+        assert_same([x[i] for x in batched], call(*problem), inputs)
+
+
+@share(0.2)
+@given(attention_inputs())
+def test_jit_equals_eager(inputs):
+    arrays, static = split_static(inputs)
+
+    def call(q, k, v, arrays):
+        return flash_attention(q, k, v, **arrays, **static)
+
+    problem = (inputs.q, inputs.k, inputs.v, arrays)
+    assert_same(jax.jit(call)(*problem), call(*problem), inputs)
