@@ -2,6 +2,8 @@
 input on which `check_attention` fails, and the real kernel passes on that same input."""
 
 import math
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import pytest
@@ -124,3 +126,28 @@ def test_real_kernel_passes_the_bug_strategies():
             lambda inputs: fails(flash_attention, inputs),
             settings=settings(FIND, max_examples=examples),
         )
+
+
+def test_checker_accepts_out_only_and_reports_empty_rows():
+    example = find(
+        attention_inputs(dtypes=[jnp.float32], fully_masked_rows=True, causal=False),
+        lambda _: True,
+        settings=FIND,
+    )
+    check_attention(lambda q, k, v, **kw: plain(q, k, v, **kw)[0], example)  # out only
+    with pytest.raises(AssertionError, match=r"lse: -inf at"):
+        check_attention(
+            lambda q, k, v, **kw: (plain(q, k, v, **kw)[0], 0 * example.q[..., 0]),
+            example,
+            grads=False,
+        )
+
+
+def test_import_needs_no_hypothesis():
+    # `hypothesis` is an optional extra: importing eqx_flash.testing must not need it.
+    code = (
+        "import sys; sys.modules['hypothesis'] = None\n"
+        "import eqx_flash.testing as t\n"
+        "assert t.value_and_grad_difference is not None and callable(t.check_attention)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
