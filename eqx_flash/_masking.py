@@ -63,7 +63,7 @@ def data_mask(
         return b if a is None else a & b
 
     if masks.key_mask is not None:
-        allowed = conj(allowed, _block(masks.key_mask, q_start, k_start, block_q, block_k) != 0)
+        allowed = conj(allowed, _block(masks.key_mask, q_start, k_start, block_q, block_k))
     if masks.pair_mask is not None:
         allowed = conj(allowed, _block(masks.pair_mask, q_start, k_start, block_q, block_k))
     if masks.q_segment_ids is not None and masks.kv_segment_ids is not None:
