@@ -5,6 +5,7 @@ import math
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import pytest
 from hypothesis import HealthCheck, Phase, find, settings
@@ -68,19 +69,28 @@ def empty_rows_average(q, k, v, **kwargs):
     return jnp.where(jnp.isneginf(lse)[..., None], mean_v.astype(out.dtype), out), lse
 
 
+# float32 (and float64 under x64) only: bfloat16/float16 hit a strict-promotion bug in the
+# kernel (tests/test_properties.py::test_matches_reference_low_precision).
+DTYPES = [jnp.float32, jnp.float64] if jax.config.read("jax_enable_x64") else [jnp.float32]
+
+
+def problems(**restrictions):
+    return attention_inputs(**{"dtypes": DTYPES, **restrictions})
+
+
 # Each bug with the strategy restricted to the feature it breaks.
 BUGS = {
-    "wrong_scale": (wrong_scale, attention_inputs()),
-    "ignores_key_mask": (ignores_key_mask, attention_inputs(mask=True)),
+    "wrong_scale": (wrong_scale, problems()),
+    "ignores_key_mask": (ignores_key_mask, problems(mask=True)),
     "causal_off_by_one": (
         causal_off_by_one,
-        attention_inputs(causal=True, window=False, attn_mask=False),
+        problems(causal=True, window=False, attn_mask=False),
     ),
-    "gqa_tiled": (gqa_tiled, attention_inputs(heads=[(4, 2)])),
-    "lse_shifted": (lse_shifted, attention_inputs()),
-    "ignores_segment_ids": (ignores_segment_ids, attention_inputs(segment_ids=True)),
-    "ignores_softcap": (ignores_softcap, attention_inputs(softcap=True)),
-    "empty_rows_average": (empty_rows_average, attention_inputs(fully_masked_rows=True)),
+    "gqa_tiled": (gqa_tiled, problems(heads=[(4, 2)])),
+    "lse_shifted": (lse_shifted, problems()),
+    "ignores_segment_ids": (ignores_segment_ids, problems(segment_ids=True)),
+    "ignores_softcap": (ignores_softcap, problems(softcap=True)),
+    "empty_rows_average": (empty_rows_average, problems(fully_masked_rows=True)),
 }
 
 FIND = settings(
@@ -109,7 +119,7 @@ def test_finds_counterexample(bug):
 
 
 def test_report_is_readable():
-    example = find(attention_inputs(dtypes=[jnp.float32]), lambda _: True, settings=FIND)
+    example = find(problems(dtypes=[jnp.float32]), lambda _: True, settings=FIND)
     with pytest.raises(AssertionError) as info:
         check_attention(lse_shifted, example)
     report = str(info.value)
@@ -119,7 +129,7 @@ def test_report_is_readable():
 
 def test_real_kernel_passes_the_bug_strategies():
     strategy = st.one_of(*(s for _, s in BUGS.values()))
-    examples = max(3, settings().max_examples // 3)
+    examples = max(3, settings().max_examples // 5)
     with pytest.raises(NoSuchExample):
         find(
             strategy,
@@ -130,7 +140,7 @@ def test_real_kernel_passes_the_bug_strategies():
 
 def test_checker_accepts_out_only_and_reports_empty_rows():
     example = find(
-        attention_inputs(dtypes=[jnp.float32], fully_masked_rows=True, causal=False),
+        problems(dtypes=[jnp.float32], fully_masked_rows=True, causal=False),
         lambda _: True,
         settings=FIND,
     )
