@@ -5,6 +5,7 @@ property gets the profile's full example count and the others a share of it.
 """
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -41,17 +42,32 @@ def lead_of(inputs: AttentionInputs) -> tuple[int, ...]:
     return inputs.q.shape[:-2]
 
 
-def linear_grads(inputs: AttentionInputs, seed: int = 0):
-    """`out`, `lse` and the gradients of a random linear function of them (finite lse)."""
-
+@functools.partial(jax.jit, static_argnames=("static",))
+def _linear_grads(q, k, v, arrays, w, u, *, static):
     def call(q, k, v):
-        return flash_attention(q, k, v, **inputs.kwargs)
+        return flash_attention(q, k, v, **arrays, **dict(static))
 
-    (out, lse), vjp = jax.vjp(call, inputs.q, inputs.k, inputs.v)
-    key_out, key_lse = jax.random.split(jax.random.key(seed))
-    d_out = jax.random.normal(key_out, out.shape).astype(out.dtype)
-    d_lse = jnp.where(jnp.isfinite(lse), jax.random.normal(key_lse, lse.shape), 0.0)
-    return out, lse, vjp((d_out, d_lse.astype(lse.dtype)))
+    (out, lse), vjp = jax.vjp(call, q, k, v)
+    d_lse = jnp.where(jnp.isfinite(lse), u, 0.0).astype(lse.dtype)
+    return out, lse, vjp((w.astype(out.dtype), d_lse))
+
+
+def linear_grads(inputs: AttentionInputs, seed: int = 0):
+    """`out`, `lse` and the gradients of a random linear function of them (finite lse),
+    in one compiled program that problems of the same shapes share."""
+    arrays, static = split_static(inputs)
+    rng = np.random.default_rng(seed)
+    lse_shape = inputs.q.shape[:-1]
+    w = jnp.asarray(rng.standard_normal((*lse_shape, inputs.v.shape[-1]), np.float32))
+    u = jnp.asarray(rng.standard_normal(lse_shape, np.float32))
+    static = tuple(static.items())
+    return _linear_grads(inputs.q, inputs.k, inputs.v, arrays, w, u, static=static)
+
+
+def split_static(inputs: AttentionInputs):
+    arrays = {n: x for n, x in inputs.kwargs.items() if isinstance(x, jax.Array)}
+    static = {n: x for n, x in inputs.kwargs.items() if n not in arrays}
+    return arrays, static
 
 
 @given(problems())
@@ -61,17 +77,18 @@ def test_matches_reference(inputs):
 
 @pytest.mark.xfail(
     strict=True,
-    reason="kernel and reference call jnp.promote_types(bfloat16|float16, float32), a "
-    "TypePromotionError under jax_numpy_dtype_promotion='strict'; once fixed, remove this "
-    "mark and add LOW_PRECISION to DTYPES",
+    raises=jax.dtypes.TypePromotionError,
+    reason="kernel and reference call jnp.promote_types(bfloat16|float16, float32), an error "
+    "under jax_numpy_dtype_promotion='strict'; once fixed, remove this mark and add "
+    "LOW_PRECISION to DTYPES",
 )
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+def test_matches_reference_low_precision(dtype):
+    x = jnp.linspace(-1, 1, 2 * 7 * 8, dtype=jnp.float32).reshape(2, 7, 8).astype(dtype)
+    check_attention(flash_attention, AttentionInputs(x, x, x, {"causal": True}))
+
+
 @share(0.2)
-@given(attention_inputs(dtypes=LOW_PRECISION))
-def test_matches_reference_low_precision(inputs):
-    check_attention(flash_attention, inputs)
-
-
-@share(0.25)
 @given(problems(), st.sampled_from([8, 16, 32, None]), st.sampled_from([8, 16, None]))
 def test_independent_of_block_sizes(inputs, block_q, block_k):
     def reblocked(q, k, v, **kwargs):
@@ -80,32 +97,33 @@ def test_independent_of_block_sizes(inputs, block_q, block_k):
     check_attention(flash_attention, inputs, reference=reblocked, grads=False)
 
 
-@share(0.25)
+@share(0.2)
 @given(problems(mask=True), st.integers(0, 2**31 - 1))
 def test_masked_keys_do_not_matter(inputs, seed):
     heads, kv_heads = inputs.q.shape[-3], inputs.k.shape[-3]
-    mask = jnp.asarray(inputs.kwargs["mask"]) != 0
+    mask = inputs.kwargs["mask"]
+    mask = mask if mask.dtype == jnp.bool_ else mask != 0
     if mask.ndim == inputs.q.ndim - 2:  # no heads axis: shared by all heads
         mask = mask[..., None, :]
     mask = jnp.broadcast_to(mask, (*lead_of(inputs), mask.shape[-1]))
     grouped = mask.reshape(*mask.shape[:-2], kv_heads, heads // kv_heads, mask.shape[-1])
     dead = ~grouped.any(axis=-2)[..., None]  # keys that no query head of the group sees
 
-    key_k, key_v = jax.random.split(jax.random.key(seed))
-    noise_k = 10 * jax.random.normal(key_k, inputs.k.shape).astype(inputs.k.dtype)
-    noise_v = 10 * jax.random.normal(key_v, inputs.v.shape).astype(inputs.v.dtype)
+    rng = np.random.default_rng(seed)
+    noise_k = jnp.asarray(10 * rng.standard_normal(inputs.k.shape), inputs.k.dtype)
+    noise_v = jnp.asarray(10 * rng.standard_normal(inputs.v.shape), inputs.v.dtype)
     changed = dataclasses.replace(
         inputs, k=jnp.where(dead, noise_k, inputs.k), v=jnp.where(dead, noise_v, inputs.v)
     )
     out, lse, (_, dk, dv) = linear_grads(inputs)
-    out2, lse2 = flash_attention(changed.q, changed.k, changed.v, **changed.kwargs)
+    out2, lse2, _ = linear_grads(changed)  # same shapes: the same compiled program
     np.testing.assert_array_equal(np.asarray(out2, np.float32), np.asarray(out, np.float32))
     np.testing.assert_array_equal(np.asarray(lse2), np.asarray(lse))
     assert not jnp.any(jnp.where(dead, dk, 0) != 0), "dk is non-zero at masked keys"
     assert not jnp.any(jnp.where(dead, dv, 0) != 0), "dv is non-zero at masked keys"
 
 
-@share(0.25)
+@share(0.2)
 @given(
     problems(mask=False, attn_mask=False, segment_ids=False),
     st.sampled_from(["mask", "attn_mask", "segment_ids"]),
@@ -129,7 +147,7 @@ def test_trivial_masks_change_nothing(inputs, which):
     check_attention(flash_attention, masked, reference=without_extra, grads=False)
 
 
-@share(0.25)
+@share(0.2)
 @given(
     problems(causal=False, window=False, attn_mask=False),
     st.sampled_from(["tril", "window"]),
@@ -148,7 +166,7 @@ def test_causal_is_bottom_right_tril_and_a_window(inputs, form):
     check_attention(flash_attention, causal, reference=equivalent, grads=False)
 
 
-@share(0.25)
+@share(0.2)
 @given(problems(heads=[(2, 1), (4, 2), (4, 1)]))
 def test_gqa_equals_mha_with_repeated_kv(inputs):
     groups = inputs.q.shape[-3] // inputs.k.shape[-3]
@@ -160,7 +178,7 @@ def test_gqa_equals_mha_with_repeated_kv(inputs):
     check_attention(flash_attention, inputs, reference=repeated)
 
 
-@share(0.25)
+@share(0.2)
 @given(problems(causal=False, window=False), st.integers(0, 2**31 - 1))
 def test_permuting_keys_and_values_together_changes_nothing(inputs, seed):
     perm = jnp.asarray(np.random.default_rng(seed).permutation(inputs.k.shape[-2]))
@@ -176,7 +194,7 @@ def test_permuting_keys_and_values_together_changes_nothing(inputs, seed):
     check_attention(flash_attention, inputs, reference=permuted, grads=False)
 
 
-@share(0.25)
+@share(0.2)
 @given(problems())
 def test_rows_are_convex_combinations_of_values(inputs):
     out, lse = flash_attention(inputs.q, inputs.k, inputs.v, **inputs.kwargs)
@@ -195,12 +213,6 @@ def test_rows_are_convex_combinations_of_values(inputs):
     assert np.all(~empty | (grouped == 0)), "a row with no key to attend is not zero"
 
 
-def split_static(inputs: AttentionInputs):
-    arrays = {n: x for n, x in inputs.kwargs.items() if isinstance(x, jax.Array)}
-    static = {n: x for n, x in inputs.kwargs.items() if n not in arrays}
-    return arrays, static
-
-
 def assert_same(got, expected, inputs: AttentionInputs):
     atol, rtol = TOLERANCES[jnp.dtype(inputs.q.dtype)].out
     for g, e in zip(got, expected, strict=True):
@@ -209,7 +221,7 @@ def assert_same(got, expected, inputs: AttentionInputs):
         )
 
 
-@share(0.2)
+@share(0.15)
 @given(problems())
 def test_vmap_equals_separate_calls(inputs):
     arrays, static = split_static(inputs)
@@ -226,7 +238,7 @@ def test_vmap_equals_separate_calls(inputs):
         assert_same([x[i] for x in batched], call(*problem), inputs)
 
 
-@share(0.2)
+@share(0.15)
 @given(problems())
 def test_jit_equals_eager(inputs):
     arrays, static = split_static(inputs)
