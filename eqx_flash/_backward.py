@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from . import _blocks
-from ._config import KernelConfig
+from ._config import KernelConfig, stat_dtype
 from ._masking import Masks
 from ._schedule import block_schedule
 
@@ -26,7 +26,7 @@ def backward(
     seed: Array | None,
 ) -> tuple[Array, Array, Array]:
     """Cotangents of q, k, v given those of `out` and `lse` (all in the internal layout)."""
-    stat = jnp.promote_types(q.dtype, jnp.float32)
+    stat = stat_dtype(q.dtype)
     # d lse / d s = softmax, so an lse cotangent just shifts the softmax-backward delta.
     delta = jnp.sum(d_out.astype(stat) * out.astype(stat), axis=-1) - d_lse.astype(stat)
     # Rows with no key have lse = -inf and all-masked logits; any finite shift gives p = 0.

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from ._config import KernelConfig
+from ._config import KernelConfig, stat_dtype
 from ._masking import Masks, data_mask, dropout_keep, head_index, positional_mask
 
 
@@ -25,7 +25,7 @@ def logits(cfg: KernelConfig, q_blk: Array, k_blk: Array) -> tuple[Array, Array 
     Returns `(s, tanh)`: the capped logits and, with a softcap, the tanh the backward
     pass needs for the cap's derivative.
     """
-    stat = jnp.promote_types(q_blk.dtype, jnp.float32)
+    stat = stat_dtype(q_blk.dtype)
     s = jnp.einsum("bhgqd,bhkd->bhgqk", q_blk, k_blk, preferred_element_type=stat)
     s = s * jnp.asarray(cfg.scale, stat)
     if cfg.softcap is None:

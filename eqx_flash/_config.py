@@ -3,6 +3,8 @@
 import dataclasses
 import math
 
+import jax.numpy as jnp
+
 # Tuned on a 2-core x86-64 CPU (benchmarks/tune_blocks.py records the sweep).
 DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_K = 512
@@ -93,3 +95,12 @@ def choose_block(requested: int | None, default: int, seq: int) -> int:
         return min(requested, seq)
     num_blocks = math.ceil(seq / default)
     return math.ceil(seq / num_blocks)
+
+
+def stat_dtype(dtype) -> jnp.dtype:
+    """Dtype of softmax statistics and accumulators: float64 for float64, else float32.
+
+    (Written out rather than `promote_types(dtype, float32)`, which strict dtype
+    promotion rejects for bfloat16/float16.)
+    """
+    return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.float32)

@@ -5,6 +5,7 @@ from typing import Any
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike
 
+from ._config import stat_dtype
 from ._flash import flash_attention
 
 # The seed's fixed logit scale for unit-norm queries and keys.
@@ -13,7 +14,7 @@ COSINE_SIM_SCALE = 10.0
 
 def _l2norm(x: Array, eps: float = 1e-10) -> Array:
     """Normalise each vector along the head dim (the seed divided by the whole tensor's norm)."""
-    stat = jnp.promote_types(x.dtype, jnp.float32)
+    stat = stat_dtype(x.dtype)
     norm = jnp.linalg.norm(x.astype(stat), axis=-1, keepdims=True)
     return (x.astype(stat) / (norm + eps)).astype(x.dtype)
 

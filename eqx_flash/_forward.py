@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from . import _blocks
-from ._config import KernelConfig
+from ._config import KernelConfig, stat_dtype
 from ._masking import Masks
 from ._schedule import block_schedule
 
@@ -20,7 +20,7 @@ def forward(
     `(b, h, g, seq_q_padded)` in the statistics dtype (-inf for rows with no key)."""
     batch, kv_heads, groups, seq_q_pad, _ = q.shape
     dim_v = v.shape[-1]
-    stat = jnp.promote_types(q.dtype, jnp.float32)
+    stat = stat_dtype(q.dtype)
     acc = jnp.zeros((batch, kv_heads, groups, seq_q_pad, dim_v), stat)
     row_max = jnp.full((batch, kv_heads, groups, seq_q_pad), -jnp.inf, stat)
     row_sum = jnp.zeros((batch, kv_heads, groups, seq_q_pad), stat)

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike
 
+from ._config import stat_dtype
 from ._layout import merge_heads, split_heads
 from ._masking import data_mask, dropout_keep, dropout_seed, head_index, positional_mask
 from ._validation import check_dropout, check_masks, check_qkv, make_config
@@ -40,7 +41,7 @@ def plain_attention(
         s, causal=causal, window=window, scale=scale, softcap=softcap, block_q=None,
         block_k=None, dropout_rate=rate, default_block_q=s.seq_q, default_block_k=s.seq_k,
     )
-    stat = jnp.promote_types(q.dtype, jnp.float32)
+    stat = stat_dtype(q.dtype)
     q5, k4, v4 = (x.astype(stat) for x in split_heads(q, k, v, s))
     # Repeat kv heads over their query groups: (b, kv_heads, groups, seq_k, dim).
     k5 = jnp.broadcast_to(k4[:, :, None], (s.batch, s.kv_heads, s.groups, s.seq_k, s.dim))

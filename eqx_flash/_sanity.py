@@ -7,6 +7,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
+from ._config import stat_dtype
+
 
 def _output(result: Any) -> Array:
     """Attention functions return `out` or `(out, lse, ...)`; take `out`."""
@@ -52,7 +54,7 @@ def value_and_grad_difference(
     def loss_and_out(fn):
         def loss(q, k, v):
             out = call(fn, q, k, v)
-            return jnp.sum(out.astype(jnp.promote_types(out.dtype, jnp.float32))), out
+            return jnp.sum(out.astype(stat_dtype(out.dtype))), out
 
         return jax.grad(loss, argnums=(0, 1, 2), has_aux=True)
 

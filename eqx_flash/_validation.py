@@ -130,7 +130,10 @@ def make_config(
     if not isinstance(causal, bool | np.bool_):
         raise TypeError(f"causal must be a bool; got {causal!r}")
     win: Window = make_window(window, bool(causal))
-    scale = 1.0 / math.sqrt(s.dim) if scale is None else _static_float("scale", scale, positive=False)
+    if scale is None:
+        scale = 1.0 / math.sqrt(s.dim)
+    else:
+        scale = _static_float("scale", scale, positive=False)
     softcap = None if softcap is None else _static_float("softcap", softcap, positive=True)
     check_block_size("block_q", block_q)
     check_block_size("block_k", block_k)
