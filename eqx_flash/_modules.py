@@ -20,6 +20,8 @@ from ._config import check_block_size, make_window
 from ._flash import flash_attention
 
 WindowArg = int | tuple[int | None, int | None] | None
+# Constructors also take a list (stored as a tuple, to stay hashable).
+WindowInput = WindowArg | list[int | None]
 
 # `(seq_k,)` key padding, `(seq_q, seq_k)` shared by all heads, or one per head.
 Mask = Bool[Array, "seq_k"] | Bool[Array, "seq_q seq_k"] | Bool[Array, "heads seq_q seq_k"]
@@ -148,7 +150,7 @@ class FlashAttention(eqx.Module):
         self,
         *,
         causal: bool = False,
-        window: WindowArg = None,
+        window: WindowInput = None,
         softcap: float | None = None,
         scale: float | None = None,
         block_q: int | None = None,
@@ -271,7 +273,7 @@ class FlashMultiheadAttention(eqx.Module):
         *,
         num_kv_heads: int | None = None,
         causal: bool = False,
-        window: WindowArg = None,
+        window: WindowInput = None,
         softcap: float | None = None,
         block_q: int | None = None,
         block_k: int | None = None,

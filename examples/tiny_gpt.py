@@ -172,7 +172,6 @@ def train(
 
 def generate(model: TinyGPT, prompt: Int[Array, " seq"], chars: list[str], n: int) -> str:
     """Greedy decoding over a sliding window of fixed length (one compilation)."""
-    seq = prompt.shape[0]
 
     @eqx.filter_jit
     def next_token(model, window):
@@ -187,7 +186,7 @@ def generate(model: TinyGPT, prompt: Int[Array, " seq"], chars: list[str], n: in
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sample", type=int, default=200, help="characters to generate")

@@ -21,8 +21,9 @@ def test_tiny_gpt_loss_falls(capsys):
     losses = tiny_gpt.train(30, log_every=10, sample=8)
     assert len(losses) == 30 and np.all(np.isfinite(losses))
     # Starts near log(vocab) (~3.9 for this corpus) and falls well below it.
-    first, last = np.mean(losses[:3]), np.mean(losses[-3:])
+    # (Measured: 4.00 at step 0, about 2.1 over the last three of 30 steps.)
+    first, last = losses[0], np.mean(losses[-3:])
     assert first > 3.5
-    assert last < first - 1.0, (first, last)
+    assert last < first - 1.2, (first, last)
     printed = capsys.readouterr().out
     assert "step   10  loss" in printed

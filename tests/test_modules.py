@@ -186,6 +186,7 @@ def test_fully_masked_row_differs_from_equinox(getkey):
     np.testing.assert_allclose(out_o[rows], out_e[rows], rtol=1e-5, atol=1e-6)
     # Equinox attends uniformly (the mean of the values); we attend to nothing: 0 heads,
     # so the output is just the output projection's bias.
+    assert ours.output_proj.bias is not None
     np.testing.assert_allclose(out_o[2], ours.output_proj.bias, rtol=1e-6)
     mean_v = jax.vmap(mha.value_proj)(x).mean(axis=0)
     np.testing.assert_allclose(out_e[2], mha.output_proj(mean_v), rtol=1e-5, atol=1e-6)
