@@ -71,9 +71,7 @@ def test_same_initial_weights(kwargs):
 
 
 def test_dtype_float64_params():
-    # Standard promotion: the kernels' `jnp.promote_types(float64, float32)` raises under
-    # the suite's strict mode (a kernel issue, reported), not something this module does.
-    with jax.enable_x64(True), jax.numpy_dtype_promotion("standard"):
+    with jax.enable_x64(True):
         ours = FlashMultiheadAttention(2, 8, dtype=jnp.float64, key=jax.random.key(0))
         mha = eqx.nn.MultiheadAttention(2, 8, dtype=jnp.float64, key=jax.random.key(0))
         assert ours.query_proj.weight.dtype == jnp.float64
