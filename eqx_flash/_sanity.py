@@ -5,7 +5,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array
+from beartype import beartype
+from jaxtyping import Array, DTypeLike, Float, jaxtyped
 
 
 def _output(result: Any) -> Array:
@@ -13,6 +14,7 @@ def _output(result: Any) -> Array:
     return result[0] if isinstance(result, tuple | list) else result
 
 
+@jaxtyped(typechecker=beartype)
 def value_and_grad_difference(
     fn1: Callable[..., Any],
     fn2: Callable[..., Any],
@@ -24,9 +26,9 @@ def value_and_grad_difference(
     k_seq_len: int = 768,
     dim: int = 64,
     add_key_mask: bool = True,
-    dtype: Any = jnp.float32,
+    dtype: DTypeLike = jnp.float32,
     **attention_keywords: Any,
-) -> tuple[Array, tuple[Array, Array, Array]]:
+) -> tuple[Float[Array, ""], tuple[Float[Array, ""], Float[Array, ""], Float[Array, ""]]]:
     """Max absolute difference between two attention functions' outputs and gradients.
 
     Draws `q (batch, heads, q_seq_len, dim)`, `k`, `v (batch, heads, k_seq_len, dim)` and,
