@@ -154,5 +154,8 @@ def causal_flash_attention(
 ) -> tuple[Output, LSE]:
     """`flash_attention(q, k, v, mask, causal=True, **kwargs)`."""
     if "causal" in kwargs:
-        raise TypeError("causal_flash_attention is always causal; do not pass causal=")
+        raise TypeError(
+            "causal_flash_attention is always causal: do not pass causal "
+            f"(got causal={kwargs['causal']!r})"
+        )
     return flash_attention(q, k, v, mask, causal=True, **kwargs)

@@ -66,6 +66,7 @@ def plain_attention(
     q_pos = jnp.arange(s.seq_q)[:, None]
     k_pos = jnp.arange(s.seq_k)[None, :]
     allowed = positional_mask(q_pos, k_pos, cfg.offset, s.seq_k, cfg.window)
+    allowed = allowed.reshape(1, 1, 1, *allowed.shape)  # the layout's five axes
     data = data_mask(masks, 0, 0, s.seq_q, s.seq_k)
     if data is not None:
         allowed = allowed & data

@@ -60,9 +60,12 @@ def check_masks(
     kv_segment_ids: ArrayLike | None,
 ) -> Masks:
     if (q_segment_ids is None) != (kv_segment_ids is None):
-        given = "q_segment_ids" if q_segment_ids is not None else "kv_segment_ids"
+        given, missing = ("q_segment_ids", "kv_segment_ids")
+        if q_segment_ids is None:
+            given, missing = missing, given
         raise ValueError(
-            f"q_segment_ids and kv_segment_ids must be given together; only {given} was given"
+            "q_segment_ids and kv_segment_ids must be given together; "
+            f"got {given} but {missing}=None"
         )
     return Masks(
         key_mask=_mask_like("mask", mask, s, "keys", integer_only=False),
