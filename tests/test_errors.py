@@ -148,11 +148,16 @@ def _expected(case: Case, checks: str) -> type[Exception]:
     return case.checked if checks == "checked" else case.unchecked
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-@pytest.mark.parametrize("name", FUNCTIONS)
-def test_eager(case: Case, name: str, checks: str):
-    if case.blocks and name == "plain_attention":
-        pytest.skip("plain_attention has no block sizes")
+EAGER = [
+    pytest.param(name, case, id=f"{name}-{case.id}")
+    for name in FUNCTIONS
+    for case in CASES
+    if not (case.blocks and name == "plain_attention")
+]
+
+
+@pytest.mark.parametrize("name, case", EAGER)
+def test_eager(name: str, case: Case, checks: str):
     with pytest.raises(_expected(case, checks)) as error:
         FUNCTIONS[name](**case.kwargs())
     _assert_names(error, case.argument)
