@@ -1,5 +1,6 @@
 import importlib.metadata
 
+from ._cosine import cosine_sim_flash_attention as cosine_sim_flash_attention
 from ._flash import causal_flash_attention as causal_flash_attention
 from ._flash import flash_attention as flash_attention
 from ._reference import plain_attention as plain_attention

@@ -12,6 +12,13 @@ def rows(x: Array, start: Array, size: int, axis: int) -> Array:
     return jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
 
 
+def positions(cfg: KernelConfig, q_start: Array, k_start: Array) -> tuple[Array, Array]:
+    """Query and key positions of a block, shaped to broadcast against `(b, h, g, q, k)`."""
+    q_pos = q_start + jnp.arange(cfg.block_q, dtype=jnp.int32).reshape(1, 1, 1, -1, 1)
+    k_pos = k_start + jnp.arange(cfg.block_k, dtype=jnp.int32).reshape(1, 1, 1, 1, -1)
+    return q_pos, k_pos
+
+
 def logits(cfg: KernelConfig, q_blk: Array, k_blk: Array) -> tuple[Array, Array | None]:
     """Scaled (and soft-capped) logits of one block in the statistics dtype.
 
@@ -34,8 +41,7 @@ def allowed(
     """Which pairs of the block attend (None: all of them)."""
     mask = data_mask(masks, q_start, k_start, cfg.block_q, cfg.block_k)
     if positional:
-        q_pos = q_start + jnp.arange(cfg.block_q, dtype=jnp.int32)[:, None]
-        k_pos = k_start + jnp.arange(cfg.block_k, dtype=jnp.int32)[None, :]
+        q_pos, k_pos = positions(cfg, q_start, k_start)
         pos = positional_mask(q_pos, k_pos, cfg.offset, cfg.seq_k, cfg.window)
         mask = pos if mask is None else mask & pos
     return mask
@@ -49,8 +55,7 @@ def dropout_multiplier(
     if seed is None or cfg.dropout_rate == 0.0:
         return None
     batch, kv_heads, groups = shape[:3]
-    q_pos = q_start + jnp.arange(cfg.block_q, dtype=jnp.int32)[:, None]
-    k_pos = k_start + jnp.arange(cfg.block_k, dtype=jnp.int32)[None, :]
+    q_pos, k_pos = positions(cfg, q_start, k_start)
     keep = dropout_keep(seed, head_index(batch, kv_heads, groups), q_pos, k_pos,
                         cfg.dropout_rate)
     return jnp.where(keep, jnp.asarray(1.0 / (1.0 - cfg.dropout_rate), dtype),

@@ -66,9 +66,7 @@ def data_mask(
         return b if a is None else a & b
 
     if masks.key_mask is not None:
-        key_mask = _block(masks.key_mask, q_start, k_start, block_q, block_k)
-        # `bool != 0` is a promotion error under jax_numpy_dtype_promotion="strict".
-        allowed = conj(allowed, key_mask if key_mask.dtype == jnp.bool_ else key_mask != 0)
+        allowed = conj(allowed, _block(masks.key_mask, q_start, k_start, block_q, block_k))
     if masks.pair_mask is not None:
         allowed = conj(allowed, _block(masks.pair_mask, q_start, k_start, block_q, block_k))
     if masks.q_segment_ids is not None and masks.kv_segment_ids is not None:
@@ -108,12 +106,6 @@ def dropout_keep(
 ) -> Bool[Array, "*b"]:
     """Whether attention weight (head, i, j) survives dropout: a pure function of
     (key, flat leading index, i, j), so kernels and reference drop the same entries."""
-    # Equal ranks first: callers pass `(b, h, g, 1, 1)` ids with `(q, 1)` positions, and
-    # implicit rank promotion is an error under jax_numpy_rank_promotion="raise".
-    ndim = max(head_index.ndim, q_pos.ndim, k_pos.ndim)
-    head_index, q_pos, k_pos = (
-        x.reshape((1,) * (ndim - x.ndim) + x.shape) for x in (head_index, q_pos, k_pos)
-    )
     row = _mix(_mix(seed ^ head_index.astype(jnp.uint32)) ^ q_pos.astype(jnp.uint32))
     col = _mix(k_pos.astype(jnp.uint32) ^ jnp.uint32(0x68E31DA4))
     h = _mix(row + col)

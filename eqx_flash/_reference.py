@@ -63,10 +63,9 @@ def plain_attention(
     if cfg.softcap is not None:
         logits = cfg.softcap * jnp.tanh(logits / cfg.softcap)
 
-    q_pos = jnp.arange(s.seq_q)[:, None]
-    k_pos = jnp.arange(s.seq_k)[None, :]
+    q_pos = jnp.arange(s.seq_q).reshape(1, 1, 1, -1, 1)
+    k_pos = jnp.arange(s.seq_k).reshape(1, 1, 1, 1, -1)
     allowed = positional_mask(q_pos, k_pos, cfg.offset, s.seq_k, cfg.window)
-    allowed = allowed.reshape(1, 1, 1, *allowed.shape)  # the layout's five axes
     data = data_mask(masks, 0, 0, s.seq_q, s.seq_k)
     if data is not None:
         allowed = allowed & data

@@ -26,13 +26,15 @@ def value_and_grad_difference(
     k_seq_len: int = 768,
     dim: int = 64,
     add_key_mask: bool = True,
+    kv_heads: int | None = None,
     dtype: DTypeLike = jnp.float32,
     **attention_keywords: Any,
 ) -> tuple[Float[Array, ""], tuple[Float[Array, ""], Float[Array, ""], Float[Array, ""]]]:
     """Max absolute difference between two attention functions' outputs and gradients.
 
     Draws `q (batch, heads, q_seq_len, dim)`, `k`, `v (batch, heads, k_seq_len, dim)` and,
-    with `add_key_mask`, a random key-padding mask `(batch, k_seq_len)`; calls
+    with `add_key_mask`, a random key-padding mask `(batch, k_seq_len)`; `kv_heads` (default
+    `heads`) gives k and v fewer heads, for grouped-query attention. Calls
     `fn(q, k, v, mask, **attention_keywords)` (mask omitted when not drawn) and compares
     the outputs and the gradients of `sum(out)` with respect to q, k and v.
 
@@ -40,8 +42,9 @@ def value_and_grad_difference(
     """
     keys = jax.random.split(jax.random.key(seed), 4)
     q = jax.random.normal(keys[0], (batch, heads, q_seq_len, dim), dtype)
-    k = jax.random.normal(keys[1], (batch, heads, k_seq_len, dim), dtype)
-    v = jax.random.normal(keys[2], (batch, heads, k_seq_len, dim), dtype)
+    kv_heads = heads if kv_heads is None else kv_heads
+    k = jax.random.normal(keys[1], (batch, kv_heads, k_seq_len, dim), dtype)
+    v = jax.random.normal(keys[2], (batch, kv_heads, k_seq_len, dim), dtype)
     mask = jax.random.bernoulli(keys[3], 0.5, (batch, k_seq_len)) if add_key_mask else None
 
     def call(fn, q, k, v):

@@ -159,3 +159,11 @@ def test_internal_functions_are_checked_in_tests():
     window = eqx_flash._config.Window()
     with pytest.raises(jaxtyping.TypeCheckError, match="q_pos"):
         _masking.positional_mask(float_positions, int_positions, 0, 4, window)
+
+
+def test_cosine_sim_flash_attention_is_checked():
+    q, k, v = _qkv((2, H), (2, KH))
+    out, lse = eqx_flash.cosine_sim_flash_attention(q, k, v, jnp.ones((2, SK), bool))
+    assert out.shape == (2, H, SQ, DV) and lse.shape == (2, H, SQ)
+    with pytest.raises(jaxtyping.TypeCheckError, match="parameter 'v'"):
+        eqx_flash.cosine_sim_flash_attention(q, k, jnp.zeros((2, KH, SK + 1, DV)))
