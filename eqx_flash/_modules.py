@@ -298,6 +298,10 @@ class FlashMultiheadAttention(eqx.Module):
         - `causal`, `window`, `softcap`, `block_q`, `block_k`: as in `flash_attention`.
         - `key`: PRNG key for the initialisation.
         """
+        # Checked before any size is derived or any Linear is built with a bad size.
+        _check_heads(num_heads, num_heads if num_kv_heads is None else num_kv_heads)
+        _check_sizes(query_size=query_size, key_size=key_size, value_size=value_size,
+                     output_size=output_size, qk_size=qk_size, vo_size=vo_size)
         # Exactly eqx.nn.MultiheadAttention's key use, so weights agree for the same key.
         qkey, kkey, vkey, okey = jax.random.split(key, 4)
         key_size = query_size if key_size is None else key_size
@@ -306,8 +310,7 @@ class FlashMultiheadAttention(eqx.Module):
         vo_size = query_size // num_heads if vo_size is None else vo_size
         output_size = query_size if output_size is None else output_size
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        # Checked here too, before any Linear is built with a bad size.
-        _check_heads(num_heads, num_kv_heads)
+        _check_sizes(qk_size=qk_size, vo_size=vo_size)  # the derived defaults may be 0
 
         self.query_proj = eqx.nn.Linear(
             query_size, num_heads * qk_size, use_bias=use_query_bias, dtype=dtype, key=qkey
@@ -343,11 +346,8 @@ class FlashMultiheadAttention(eqx.Module):
 
     def __check_init__(self):
         _check_heads(self.num_heads, self.num_kv_heads)
-        for name in ("query_size", "key_size", "value_size", "output_size", "qk_size",
-                     "vo_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int; got {name}={value!r}")
+        _check_sizes(**{name: getattr(self, name) for name in (
+            "query_size", "key_size", "value_size", "output_size", "qk_size", "vo_size")})
         _check_options(
             self.causal, self.window, self.softcap, None, self.block_q, self.block_k
         )
@@ -428,6 +428,13 @@ class FlashMultiheadAttention(eqx.Module):
 
         `(seq_q, output_size)`.
         """
+        for name, x, size in (("query", query, self.query_size), ("key_", key_, self.key_size),
+                              ("value", value, self.value_size)):
+            if x.shape[-1] != size:
+                raise ValueError(
+                    f"{name} must have shape (seq, {size}) for this module; got {name}.shape="
+                    f"{x.shape}"
+                )
         with jax.named_scope("eqx_flash.FlashMultiheadAttention"):
             q = _project(self.query_proj, query, self.num_heads)
             k = _project(self.key_proj, key_, self.num_kv_heads)
@@ -460,6 +467,15 @@ def _check_heads(num_heads: Any, num_kv_heads: Any) -> None:
             f"num_kv_heads must divide num_heads; got num_heads={num_heads}, "
             f"num_kv_heads={num_kv_heads}"
         )
+
+
+def _check_sizes(**sizes: Any) -> None:
+    """Sizes given (not None) must be positive ints."""
+    for name, value in sizes.items():
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive int; got {name}={value!r}")
 
 
 def _project(proj: eqx.nn.Linear, x: Array, heads: int) -> Array:

@@ -16,9 +16,6 @@ import pytest
 
 import eqx_flash
 
-if not hasattr(eqx_flash, "FlashMultiheadAttention"):  # until the modules are merged
-    pytest.skip("eqx_flash.FlashMultiheadAttention does not exist yet", allow_module_level=True)
-
 NUM_HEADS, QUERY, KEY, VALUE, Q_SEQ, KV_SEQ = 4, 16, 12, 10, 6, 9
 ERRORS = (TypeError, ValueError)
 
