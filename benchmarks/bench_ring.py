@@ -45,7 +45,9 @@ def _time(loss, args, repeats: int) -> float:
 
 def _temp_mib(loss, args) -> float:
     """Per-device temp memory of the compiled step (compiled only, not run)."""
-    return _step(loss).lower(*args).compile().memory_analysis().temp_size_in_bytes / 2**20
+    memory = _step(loss).lower(*args).compile().memory_analysis()
+    assert memory is not None, "this backend reports no memory analysis"
+    return memory.temp_size_in_bytes / 2**20
 
 
 def _setups(causal: bool):

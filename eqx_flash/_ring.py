@@ -15,7 +15,7 @@ picks the variant at run time.
 import dataclasses
 import functools
 from collections.abc import Hashable
-from typing import Literal
+from typing import Any, Literal, cast
 
 import jax
 import jax.numpy as jnp
@@ -123,9 +123,19 @@ def _shift(tree, ring: _Ring):
     return jax.tree.map(lambda x: jax.lax.ppermute(x, ring.axis_name, perm), tree)
 
 
-def _vary(tree, like: Array):
-    """Give fresh accumulators the varying manual axes of `like` (shard_map's check_vma)."""
-    axes = tuple(getattr(jax.typeof(like), "vma", ()))
+def _varying_axes(tree) -> tuple:
+    """Manual mesh axes any leaf varies over (inside `shard_map` with `check_vma=True`)."""
+    axes = set()
+    for x in jax.tree.leaves(tree):
+        manual = getattr(jax.typeof(x), "manual_axis_type", None)
+        axes |= set(getattr(manual, "varying", ()))
+    return tuple(sorted(axes, key=str))
+
+
+def _vary(tree, like):
+    """Give fresh accumulators the varying manual axes of the inputs `like`, so that scan
+    carries and switch branches type-check under shard_map's `check_vma=True`."""
+    axes = _varying_axes(like)
     if not axes:
         return tree
     return jax.tree.map(lambda x: jax.lax.pcast(x, axes, to="varying"), tree)
@@ -176,7 +186,7 @@ def _ring_forward(ring: _Ring, q, k, v, masks):
     stat = jnp.promote_types(q[0].dtype, jnp.float32)
     out = tuple(jnp.zeros((*x.shape[:-1], v[0].shape[-1]), stat) for x in q)
     lse = tuple(jnp.full(x.shape[:-1], -jnp.inf, stat) for x in q)
-    out, lse = _vary((out, lse), q[0])
+    out, lse = _vary((out, lse), (q, k, v, masks))
     travelling = (k, v, tuple(_key_masks(x) for x in masks))
 
     def step(carry, i):
@@ -218,7 +228,7 @@ def _ring_attention_bwd(ring, residuals, cotangents):
     stat = jnp.promote_types(q[0].dtype, jnp.float32)
     d_q = tuple(jnp.zeros(x.shape, stat) for x in q)
     d_kv = (tuple(jnp.zeros(x.shape, stat) for x in k), tuple(jnp.zeros(x.shape, stat) for x in v))
-    d_q, d_kv = _vary((d_q, d_kv), q[0])
+    d_q, d_kv = _vary((d_q, d_kv), (q, k, v, masks, out, lse, d_out, d_lse))
     travelling = (k, v, tuple(_key_masks(x) for x in masks))
 
     def step(carry, i):
@@ -352,7 +362,7 @@ def _ring_internal(ring: _Ring, q, k, v, masks: Masks, shapes: Shapes):
         Masks(key_mask=key_mask[i], q_segment_ids=q_ids[i], kv_segment_ids=kv_ids[i])
         for i in range(m)
     )
-    out, lse = _ring_attention(ring, qs, ks, vs, piece_masks)
+    out, lse = cast(tuple[Any, Any], _ring_attention(ring, qs, ks, vs, piece_masks))
     out = jnp.concatenate([o[..., : cfg.seq_q, :] for o in out], axis=3)
     lse = jnp.concatenate([x[..., : cfg.seq_q] for x in lse], axis=3)
     return merge_heads(out, lse, shapes)

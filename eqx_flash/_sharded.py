@@ -140,8 +140,8 @@ def sharded_flash_attention(
     `(out, lse)` as `flash_attention` returns them, as global arrays sharded like q.
     """
     q, k, v, shapes = check_qkv(q, k, v)
-    if isinstance(window, list):
-        window = tuple(window)  # a static (hashable) argument below
+    if isinstance(window, list) and len(window) == 2:
+        window = (window[0], window[1])  # a static (hashable) argument below
     check_masks(shapes, mask, None, q_segment_ids, kv_segment_ids)  # clear shape errors
     if seq_axis not in mesh.shape:
         raise ValueError(f"seq_axis={seq_axis!r} is not an axis of the mesh {dict(mesh.shape)}")

@@ -164,7 +164,9 @@ def check_memory():
             return out.sum()
 
         compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*qkv).compile()
-        result[f"temp_{n}"] = int(compiled.memory_analysis().temp_size_in_bytes)
+        memory = compiled.memory_analysis()
+        assert memory is not None
+        result[f"temp_{n}"] = int(memory.temp_size_in_bytes)
     return result
 
 
@@ -187,6 +189,7 @@ def check_flash_sharded_inputs():
     got = jitted(*placed, jax.device_put(mask, mask_shard))
     result = _errors(expected, got)
     hlo = jitted.lower(*placed, jax.device_put(mask, mask_shard)).compile().as_text()
+    assert hlo is not None
     result["all_gathers"] = hlo.count("all-gather-start") + hlo.count(" all-gather(")
     result["out_sharding"] = str(got[0].sharding.spec)
     return result
