@@ -324,7 +324,13 @@ def ring_flash_attention(
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}; got {layout!r}")
     masks = check_masks(shapes, mask, None, q_segment_ids, kv_segment_ids)
-    n = jax.lax.axis_size(axis_name)
+    try:
+        n = jax.lax.axis_size(axis_name)
+    except NameError:
+        raise ValueError(
+            f"ring_flash_attention must run inside jax.shard_map over a mesh with axis "
+            f"axis_name={axis_name!r}; for global arrays use sharded_flash_attention"
+        ) from None
     m = subchunks(layout)
     for name, seq in (("seq_q", shapes.seq_q), ("seq_k", shapes.seq_k)):
         if seq % m:

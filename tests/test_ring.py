@@ -145,3 +145,9 @@ def test_sharded_errors():
         eqx_flash.sharded_flash_attention(x, x, x, mesh=mesh, seq_axis="sequence")
     with pytest.raises(ValueError, match="needs a batch axis"):
         eqx_flash.sharded_flash_attention(x, x, x, mesh=mesh, seq_axis="seq", batch_axis="seq")
+
+
+def test_ring_outside_shard_map():
+    x = jnp.zeros((2, 8, 4))
+    with pytest.raises(ValueError, match="inside jax.shard_map"):
+        eqx_flash.ring_flash_attention(x, x, x, axis_name="seq")
