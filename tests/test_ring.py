@@ -151,3 +151,28 @@ def test_ring_outside_shard_map():
     x = jnp.zeros((2, 8, 4))
     with pytest.raises(ValueError, match="inside jax.shard_map"):
         eqx_flash.ring_flash_attention(x, x, x, axis_name="seq")
+
+
+def test_causal_work_is_balanced():
+    """Kernel calls per device over a causal ring: zigzag and striped give every device
+    the same work (fully masked chunk pairs skipped), contiguous does not."""
+    from eqx_flash._config import KernelConfig, Window
+    from eqx_flash._ring import _plan, _Ring
+
+    n, chunk = 4, 32
+
+    def calls(layout: str) -> list[int]:
+        base = KernelConfig(chunk, chunk, 16, 16, Window(None, 0), 1.0)
+        plan = _plan(_Ring("seq", n, layout, base))
+        return [
+            sum(
+                variants[table[a, b]] is not None
+                for variants, table in plan.values()
+                for b in range(n)
+            )
+            for a in range(n)
+        ]
+
+    assert calls("contiguous") == [1, 2, 3, 4]
+    assert calls("zigzag") == [2 * n + 1] * n
+    assert calls("striped") == [n] * n
