@@ -6,6 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from eqx_flash import flash_attention, plain_attention
+
 # `_masking.data_mask` compares the (already bool) key mask with `!= 0`, which strict dtype
 # promotion (conftest) rejects, and `plain_attention` ANDs a 2-d positional mask with 5-d
 # data masks; both reported, so these tests run with standard promotion rules.
@@ -16,8 +18,6 @@ pytestmark = pytest.mark.usefixtures("standard_promotion")
 def standard_promotion():
     with jax.numpy_dtype_promotion("standard"), jax.numpy_rank_promotion("allow"):
         yield
-
-from eqx_flash import flash_attention, plain_attention
 
 # (name, seq_q, seq_k, heads, kv_heads, keywords, blocks)
 CASES = [
