@@ -227,6 +227,7 @@ def main(argv=None) -> None:
                    help="stop timing reps / growing a method's sweep past this")
     p.add_argument("--timeout", type=float, default=1800.0, help="per measurement")
     p.add_argument("--skip-sweep", action="store_true")
+    p.add_argument("--sweep-only", action="store_true", help="no headline table, only plots")
     p.add_argument("--out", type=pathlib.Path, default=ROOT / "benchmarks" / "results.json")
     p.add_argument("--plots", type=pathlib.Path, default=ROOT / "docs")
     args = p.parse_args(argv)
@@ -236,6 +237,12 @@ def main(argv=None) -> None:
         args.sweep = [1024, 2048, 4096] if args.quick else [1024 << i for i in range(7)]
 
     t0 = time.perf_counter()
+    if args.sweep_only:
+        swept = sweep(args)
+        args.plots.mkdir(parents=True, exist_ok=True)
+        plot(swept, args.plots)
+        args.out.with_name("sweep.json").write_text(json.dumps(swept, indent=1))
+        return
     results, peak = headline(args)
     swept = [] if args.skip_sweep else sweep(args)
     text = table(results, peak, args)
