@@ -5,9 +5,10 @@ import math
 
 import jax.numpy as jnp
 
-# Tuned on a 2-core x86-64 CPU (benchmarks/tune_blocks.py records the sweep).
+# Tuned on a 2-core x86-64 CPU: benchmarks/tune_blocks.py, result in benchmarks/tune_blocks.md.
+# A 512 x 256 float32 logit block (512 KiB) stays in L2; larger key blocks spill and lose 2-6x.
 DEFAULT_BLOCK_Q = 512
-DEFAULT_BLOCK_K = 512
+DEFAULT_BLOCK_K = 256
 
 
 @dataclasses.dataclass(frozen=True)
