@@ -34,7 +34,7 @@ CONFIGS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
 ]
 
 
-def _loss(fn: Callable[..., Any], keywords: dict[str, Any]) -> Callable[..., Any]:
+def _loss(fn: Callable[..., Any], keywords: dict[str, Any]) -> Any:  # a jitted function
     def loss(q, k, v, mask):
         return jnp.sum(fn(q, k, v, mask, **keywords)[0])
 

@@ -1,73 +1,158 @@
-"""Per-block pieces shared by the forward and backward kernels: slicing, logits, masks."""
+"""Per-block pieces shared by the forward and backward kernels: the loop over heads,
+slicing, logits, masks, and the loop over one band of blocks.
+
+The kernels run one kv head at a time (`per_head`): q `(groups, seq_q, dim)` against k, v
+`(seq_k, dim)`. Every block product is then a plain 2-d matmul, which XLA's CPU backend
+hands to its GEMM with transposed operands in place; with heads as a batch axis it copies
+each transposed logit block first.
+"""
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array
 
-from ._config import KernelConfig
-from ._masking import Masks, data_mask, dropout_keep, head_index, positional_mask
+from ._config import KernelConfig, stat_dtype
+from ._masking import Masks, data_mask, dropout_keep, positional_mask
+from ._schedule import Bands
+
+
+class Head(NamedTuple):
+    """What one kv head's kernel sees besides its q, k, v slices."""
+
+    masks: Masks  # each `(groups|1, seq_q|1, seq_k|1)`
+    heads: Array  # flat q-head index of each group, `(groups, 1, 1)` (for dropout)
+
+
+def per_head(
+    fn: Callable[[Head, tuple[Array, ...]], Any],
+    masks: Masks,
+    arrays: tuple[Array, ...],
+) -> Any:
+    """Map `fn(head, per_head_arrays)` over the `(batch, kv_heads)` axes of `arrays`
+    (all have them first) with `lax.map`; results are stacked back on those axes."""
+    batch, kv_heads = arrays[0].shape[:2]
+    groups = arrays[0].shape[2] if arrays[0].ndim == 5 else 1
+    flat = tuple(x.reshape(batch * kv_heads, *x.shape[2:]) for x in arrays)
+
+    def one(args):
+        n, xs = args
+        b, h = n // kv_heads, n % kv_heads
+
+        def take(m):
+            if m is None:
+                return None
+            m = m[b] if m.shape[0] != 1 else m[0]
+            return m[h] if m.shape[0] != 1 else m[0]
+
+        head = Head(
+            Masks(*(take(m) for m in masks)),
+            (n * groups + jnp.arange(groups, dtype=jnp.int32)).reshape(groups, 1, 1),
+        )
+        return fn(head, xs)
+
+    out = jax.lax.map(one, (jnp.arange(batch * kv_heads, dtype=jnp.int32), flat))
+    return jax.tree.map(lambda y: y.reshape(batch, kv_heads, *y.shape[1:]), out)
 
 
 def rows(x: Array, start: Array, size: int, axis: int) -> Array:
     return jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
 
 
-def positions(cfg: KernelConfig, q_start: Array, k_start: Array) -> tuple[Array, Array]:
-    """Query and key positions of a block, shaped to broadcast against `(b, h, g, q, k)`."""
-    q_pos = q_start + jnp.arange(cfg.block_q, dtype=jnp.int32).reshape(1, 1, 1, -1, 1)
-    k_pos = k_start + jnp.arange(cfg.block_k, dtype=jnp.int32).reshape(1, 1, 1, 1, -1)
-    return q_pos, k_pos
-
-
 def logits(cfg: KernelConfig, q_blk: Array, k_blk: Array) -> tuple[Array, Array | None]:
-    """Scaled (and soft-capped) logits of one block in the statistics dtype.
+    """Logits `(groups, block_q, block_k)` in the statistics dtype, from queries already
+    multiplied by the scale (one pass over q instead of one over every logit).
 
     Returns `(s, tanh)`: the capped logits and, with a softcap, the tanh the backward
     pass needs for the cap's derivative.
     """
-    stat = jnp.promote_types(q_blk.dtype, jnp.float32)
-    s = jnp.einsum("bhgqd,bhkd->bhgqk", q_blk, k_blk, preferred_element_type=stat)
-    s = s * jnp.asarray(cfg.scale, stat)
+    stat = stat_dtype(q_blk.dtype)
+    s = matmul(q_blk, k_blk, "qd,kd->qk", stat)
     if cfg.softcap is None:
         return s, None
     cap = jnp.asarray(cfg.softcap, stat)
-    t = jnp.tanh(s / cap)
+    t = jnp.tanh(s * (1.0 / cap))
     return cap * t, t
+
+
+def matmul(a: Array, b: Array, spec: str, dtype: jnp.dtype) -> Array:
+    """One block product with the query groups folded into the rows: `a` is
+    `(groups, block_q, x)` and `b` 2-d. A dot contracting over both groups and queries
+    (`"qk,qd->kd"`) would make XLA copy a transposed block; one 2-d dot does not."""
+    groups, rows_ = a.shape[:2]
+    out = jnp.einsum(spec, a.reshape(groups * rows_, a.shape[2]), b,
+                     preferred_element_type=dtype)
+    if spec.endswith("->kd"):
+        return out
+    return out.reshape(groups, rows_, out.shape[-1])
+
+
+def matmul_t(a: Array, b: Array, dtype: jnp.dtype) -> Array:
+    """`a^T b` over the folded `(groups * block_q)` rows of two `(groups, block_q, x)`."""
+    groups, rows_ = a.shape[:2]
+    return jnp.einsum("qk,qd->kd", a.reshape(groups * rows_, a.shape[2]),
+                      b.reshape(groups * rows_, b.shape[2]), preferred_element_type=dtype)
+
+
+def scaled(cfg: KernelConfig, q: Array) -> Array:
+    return q * jnp.asarray(cfg.scale, q.dtype)
 
 
 def allowed(
     cfg: KernelConfig, masks: Masks, q_start: Array, k_start: Array, positional: bool
 ) -> Array | None:
-    """Which pairs of the block attend (None: all of them)."""
+    """Which pairs of the block attend, `(groups|1, block_q|1, block_k)` (None: all)."""
     mask = data_mask(masks, q_start, k_start, cfg.block_q, cfg.block_k)
     if positional:
-        q_pos, k_pos = positions(cfg, q_start, k_start)
+        q_pos = q_start + jnp.arange(cfg.block_q, dtype=jnp.int32).reshape(1, -1, 1)
+        k_pos = k_start + jnp.arange(cfg.block_k, dtype=jnp.int32).reshape(1, 1, -1)
         pos = positional_mask(q_pos, k_pos, cfg.offset, cfg.seq_k, cfg.window)
         mask = pos if mask is None else mask & pos
     return mask
 
 
 def dropout_multiplier(
-    cfg: KernelConfig, seed: Array | None, shape: tuple[int, ...], q_start: Array,
-    k_start: Array, dtype: jnp.dtype,
+    cfg: KernelConfig, seed: Array | None, head: Head, q_start: Array, k_start: Array,
+    dtype: jnp.dtype,
 ) -> Array | None:
     """`keep / (1 - rate)` for one block (None without dropout)."""
     if seed is None or cfg.dropout_rate == 0.0:
         return None
-    batch, kv_heads, groups = shape[:3]
-    q_pos, k_pos = positions(cfg, q_start, k_start)
-    keep = dropout_keep(seed, head_index(batch, kv_heads, groups), q_pos, k_pos,
-                        cfg.dropout_rate)
+    q_pos = q_start + jnp.arange(cfg.block_q, dtype=jnp.int32).reshape(1, -1, 1)
+    k_pos = k_start + jnp.arange(cfg.block_k, dtype=jnp.int32).reshape(1, 1, -1)
+    keep = dropout_keep(seed, head.heads, q_pos, k_pos, cfg.dropout_rate)
     return jnp.where(keep, jnp.asarray(1.0 / (1.0 - cfg.dropout_rate), dtype),
                      jnp.asarray(0.0, dtype))
 
 
-def skip_if_empty(mask: Array | None, compute, keep, operands):
+def skip_if_empty(mask: Array | None, has_data_mask: bool, compute, keep, operands):
     """Run `compute` unless the data masks empty the block (then `keep`).
 
     Causal and window emptiness is handled statically by the schedule; this catches
     blocks emptied by padding masks and segment ids at run time.
     """
-    if mask is None:
+    if mask is None or not has_data_mask:
         return compute(operands)
     return jax.lax.cond(jnp.any(mask), compute, keep, operands)
+
+
+def over_band(
+    bands: Bands, outer: Array, step: Callable[[Any, Array, bool], Any], carry: Any
+) -> Any:
+    """Fold `step(carry, inner_block, positional)` over the inner blocks of one outer
+    block: first the whole ones (no positional mask), then the partial ones at either end
+    of the band. Trip counts are dynamic, so every outer block shares one compiled loop."""
+    lo, full_lo, full_hi, hi = (jnp.asarray(x)[outer] for x in bands)
+    if int(np.max(bands.full_hi - bands.full_lo, initial=0)) > 0:
+        carry = jax.lax.fori_loop(full_lo, full_hi, lambda j, c: step(c, j, False), carry)
+    if bands.max_partial > 0:
+        n_left = full_lo - lo
+
+        def partial(t, c):
+            return step(c, jnp.where(t < n_left, lo + t, full_hi + t - n_left), True)
+
+        carry = jax.lax.fori_loop(0, n_left + hi - full_hi, partial, carry)
+    return carry

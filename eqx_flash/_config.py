@@ -3,9 +3,12 @@
 import dataclasses
 import math
 
-# Tuned on a 2-core x86-64 CPU (benchmarks/tune_blocks.py records the sweep).
+import jax.numpy as jnp
+
+# Tuned on a 2-core x86-64 CPU: benchmarks/tune_blocks.py, result in benchmarks/tune_blocks.md.
+# A 512 x 256 float32 logit block (512 KiB) stays in L2; larger key blocks spill and lose 2-6x.
 DEFAULT_BLOCK_Q = 512
-DEFAULT_BLOCK_K = 512
+DEFAULT_BLOCK_K = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,3 +96,12 @@ def choose_block(requested: int | None, default: int, seq: int) -> int:
         return min(requested, seq)
     num_blocks = math.ceil(seq / default)
     return math.ceil(seq / num_blocks)
+
+
+def stat_dtype(dtype) -> jnp.dtype:
+    """Dtype of softmax statistics and accumulators: float64 for float64, else float32.
+
+    (Written out rather than `promote_types(dtype, float32)`, which strict dtype
+    promotion rejects for bfloat16/float16.)
+    """
+    return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.float32)

@@ -3,9 +3,12 @@
 from typing import Any
 
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike
+from beartype import beartype
+from jaxtyping import Array, jaxtyped
 
+from ._config import stat_dtype
 from ._flash import flash_attention
+from ._types import LSE, Key, KeyMask, Output, Query, RealNumber, Value
 
 # The seed's fixed logit scale for unit-norm queries and keys.
 COSINE_SIM_SCALE = 10.0
@@ -13,20 +16,21 @@ COSINE_SIM_SCALE = 10.0
 
 def _l2norm(x: Array, eps: float = 1e-10) -> Array:
     """Normalise each vector along the head dim (the seed divided by the whole tensor's norm)."""
-    stat = jnp.promote_types(x.dtype, jnp.float32)
+    stat = stat_dtype(x.dtype)
     norm = jnp.linalg.norm(x.astype(stat), axis=-1, keepdims=True)
     return (x.astype(stat) / (norm + eps)).astype(x.dtype)
 
 
+@jaxtyped(typechecker=beartype)
 def cosine_sim_flash_attention(
-    q: ArrayLike,
-    k: ArrayLike,
-    v: ArrayLike,
-    mask: ArrayLike | None = None,
+    q: Query,
+    k: Key,
+    v: Value,
+    mask: KeyMask | None = None,
     *,
-    scale: float = COSINE_SIM_SCALE,
+    scale: RealNumber = COSINE_SIM_SCALE,
     **kwargs: Any,
-) -> tuple[Array, Array]:
+) -> tuple[Output, LSE]:
     """`flash_attention` on l2-normalised q and k with a fixed `scale` (default 10).
 
     Takes every keyword of `flash_attention`; returns `(out, lse)`.

@@ -5,11 +5,12 @@ module is the only place that knows about the public shapes.
 """
 
 import functools
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike
+from beartype import beartype
+from jaxtyping import Array, PRNGKeyArray, jaxtyped
 
 from . import _config
 from ._backward import backward
@@ -17,6 +18,19 @@ from ._config import KernelConfig
 from ._forward import forward
 from ._layout import Shapes, merge_heads, split_heads
 from ._masking import Masks, dropout_seed
+from ._types import (
+    LSE,
+    Key,
+    KeyMask,
+    KeySegmentIds,
+    Output,
+    PairMask,
+    Query,
+    QuerySegmentIds,
+    RealNumber,
+    Value,
+    WindowLike,
+)
 from ._validation import check_dropout, check_masks, check_qkv, make_config
 
 
@@ -56,29 +70,31 @@ def _blockwise(q, k, v, masks: Masks, seed, *, cfg: KernelConfig, shapes: Shapes
     seq_k_pad = -(-cfg.seq_k // cfg.block_k) * cfg.block_k
     q = _pad_axis(q, 3, seq_q_pad)
     k, v = _pad_axis(k, 2, seq_k_pad), _pad_axis(v, 2, seq_k_pad)
-    masks = Masks(*(_pad_axis(_pad_axis(m, -2, seq_q_pad), -1, seq_k_pad) for m in masks))
-    out, lse = _attention(cfg, q, k, v, masks, seed)
+    masks = Masks._make(_pad_axis(_pad_axis(m, -2, seq_q_pad), -1, seq_k_pad) for m in masks)
+    # `functools.partial(jax.custom_vjp, ...)` hides the return type from type checkers.
+    out, lse = cast(tuple[Array, Array], _attention(cfg, q, k, v, masks, seed))
     return merge_heads(out[..., : cfg.seq_q, :], lse[..., : cfg.seq_q], shapes)
 
 
+@jaxtyped(typechecker=beartype)
 def flash_attention(
-    q: ArrayLike,
-    k: ArrayLike,
-    v: ArrayLike,
-    mask: ArrayLike | None = None,
+    q: Query,
+    k: Key,
+    v: Value,
+    mask: KeyMask | None = None,
     *,
-    attn_mask: ArrayLike | None = None,
+    attn_mask: PairMask | None = None,
     causal: bool = False,
-    window: int | tuple[int | None, int | None] | None = None,
-    q_segment_ids: ArrayLike | None = None,
-    kv_segment_ids: ArrayLike | None = None,
-    scale: float | None = None,
-    softcap: float | None = None,
+    window: WindowLike = None,
+    q_segment_ids: QuerySegmentIds | None = None,
+    kv_segment_ids: KeySegmentIds | None = None,
+    scale: RealNumber | None = None,
+    softcap: RealNumber | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
-    dropout_rate: float = 0.0,
-    key: Any = None,
-) -> tuple[Array, Array]:
+    dropout_rate: RealNumber = 0.0,
+    key: PRNGKeyArray | None = None,
+) -> tuple[Output, LSE]:
     """Exact attention in blocks, with memory linear in the sequence length.
 
     **Arguments:**
@@ -104,6 +120,14 @@ def flash_attention(
     `(out, lse)`: `out` `(*batch, heads, seq_q, dim_v)` in q's dtype and the log-sum-exp
     of the attended logits `(*batch, heads, seq_q)` in float32 (float64 for float64
     inputs). A query with no key to attend gets `out = 0` and `lse = -inf`.
+
+    **Raises:**
+
+    `TypeError` or `ValueError` naming the offending argument, at call time (while
+    tracing under `jax.jit`): the axis names above are checked across arguments by
+    jaxtyping and beartype, and the rest (dtypes, broadcasting, head grouping, scalar
+    ranges) by explicit checks that also run when jaxtyping is switched off.
+    JAX and NumPy arrays are accepted.
     """
     q, k, v, shapes = check_qkv(q, k, v)
     masks = check_masks(shapes, mask, attn_mask, q_segment_ids, kv_segment_ids)
@@ -124,10 +148,14 @@ def flash_attention(
     return _blockwise(q, k, v, masks, seed, cfg=cfg, shapes=shapes)
 
 
+@jaxtyped(typechecker=beartype)
 def causal_flash_attention(
-    q: ArrayLike, k: ArrayLike, v: ArrayLike, mask: ArrayLike | None = None, **kwargs: Any
-) -> tuple[Array, Array]:
+    q: Query, k: Key, v: Value, mask: KeyMask | None = None, **kwargs: Any
+) -> tuple[Output, LSE]:
     """`flash_attention(q, k, v, mask, causal=True, **kwargs)`."""
     if "causal" in kwargs:
-        raise TypeError("causal_flash_attention is always causal; do not pass causal=")
+        raise TypeError(
+            "causal_flash_attention is always causal: do not pass causal "
+            f"(got causal={kwargs['causal']!r})"
+        )
     return flash_attention(q, k, v, mask, causal=True, **kwargs)

@@ -1,5 +1,8 @@
 """Blockwise forward kernel: online softmax over the scheduled block pairs.
 
+Per kv head (`_blocks.per_head`), an outer scan over query blocks; each query block's
+running statistics live in the carry of an inner loop over its band of key blocks
+(`_blocks.over_band`), so no state is written back to a full-size array between blocks.
 Inputs are in the internal layout (`_layout`), padded to whole blocks. No validation here.
 """
 
@@ -8,9 +11,9 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from . import _blocks
-from ._config import KernelConfig
+from ._config import KernelConfig, stat_dtype
 from ._masking import Masks
-from ._schedule import block_schedule
+from ._schedule import band_ranges
 
 
 def forward(
@@ -18,63 +21,63 @@ def forward(
 ) -> tuple[Array, Array]:
     """Returns `out` `(b, h, g, seq_q_padded, dim_v)` in q's dtype and `lse`
     `(b, h, g, seq_q_padded)` in the statistics dtype (-inf for rows with no key)."""
-    batch, kv_heads, groups, seq_q_pad, _ = q.shape
+    groups, seq_q_pad = q.shape[2], q.shape[3]
     dim_v = v.shape[-1]
-    stat = jnp.promote_types(q.dtype, jnp.float32)
-    acc = jnp.zeros((batch, kv_heads, groups, seq_q_pad, dim_v), stat)
-    row_max = jnp.full((batch, kv_heads, groups, seq_q_pad), -jnp.inf, stat)
-    row_sum = jnp.zeros((batch, kv_heads, groups, seq_q_pad), stat)
+    stat = stat_dtype(q.dtype)
     bq, bk = cfg.block_q, cfg.block_k
+    has_data = not masks.is_empty
+    bands = band_ranges(cfg.seq_q, cfg.seq_k, bq, bk, cfg.window, cfg.offset, by="q")
+    # A finite floor for the running max: a row that has seen no key keeps it, and
+    # exp(-inf - floor) = 0, exp(floor - floor) = 1, so no -inf guard is needed anywhere.
+    floor = jnp.asarray(jnp.finfo(stat).min, stat)
 
-    def step(carry, pair, positional):
-        acc, row_max, row_sum = carry
-        q_start, k_start = pair[0] * bq, pair[1] * bk
-        q_blk = _blocks.rows(q, q_start, bq, 3)
-        k_blk = _blocks.rows(k, k_start, bk, 2)
-        v_blk = _blocks.rows(v, k_start, bk, 2)
-        mask = _blocks.allowed(cfg, masks, q_start, k_start, positional)
-        state = (
-            _blocks.rows(acc, q_start, bq, 3),
-            _blocks.rows(row_max, q_start, bq, 3),
-            _blocks.rows(row_sum, q_start, bq, 3),
-        )
+    def head_kernel(head: _blocks.Head, arrays):
+        q, k, v = arrays  # (g, seq_q, d), (seq_k, d), (seq_k, dv)
+        q = _blocks.scaled(cfg, q)
 
-        def update(state):
-            acc_b, max_b, sum_b = state
-            s, _ = _blocks.logits(cfg, q_blk, k_blk)
-            if mask is not None:
-                s = jnp.where(mask, s, -jnp.inf)
-            new_max = jnp.maximum(max_b, s.max(axis=-1))
-            # A row that has seen no key yet keeps max -inf; shift it by 0 instead.
-            shift = jnp.where(new_max == -jnp.inf, 0.0, new_max)
-            p = jnp.exp(s - shift[..., None])
-            alpha = jnp.exp(max_b - shift)
-            new_sum = alpha * sum_b + p.sum(axis=-1)
-            drop = _blocks.dropout_multiplier(cfg, seed, q.shape, q_start, k_start, stat)
-            p_v = p if drop is None else p * drop
-            pv = jnp.einsum(
-                "bhgqk,bhkd->bhgqd", p_v.astype(v.dtype), v_blk, preferred_element_type=stat
+        def query_block(_, i):
+            q_start = i * bq
+            q_blk = _blocks.rows(q, q_start, bq, 1)
+
+            def step(carry, j, positional):
+                k_start = j * bk
+                k_blk = _blocks.rows(k, k_start, bk, 0)
+                v_blk = _blocks.rows(v, k_start, bk, 0)
+                mask = _blocks.allowed(cfg, head.masks, q_start, k_start, positional)
+
+                def update(carry):
+                    acc, row_max, row_sum = carry
+                    s, _ = _blocks.logits(cfg, q_blk, k_blk)
+                    if mask is not None:
+                        s = jnp.where(mask, s, -jnp.inf)
+                    new_max = jnp.maximum(row_max, s.max(axis=-1))
+                    p = jnp.exp(s - new_max[..., None])
+                    alpha = jnp.exp(row_max - new_max)
+                    new_sum = alpha * row_sum + p.sum(axis=-1)
+                    drop = _blocks.dropout_multiplier(cfg, seed, head, q_start, k_start, stat)
+                    p_v = p if drop is None else p * drop
+                    pv = _blocks.matmul(p_v.astype(v.dtype), v_blk, "qk,kd->qd", stat)
+                    return alpha[..., None] * acc + pv, new_max, new_sum
+
+                return _blocks.skip_if_empty(mask, has_data, update, lambda c: c, carry)
+
+            init = (
+                jnp.zeros((groups, bq, dim_v), stat),
+                jnp.full((groups, bq), floor, stat),
+                jnp.zeros((groups, bq), stat),
             )
-            return alpha[..., None] * acc_b + pv, new_max, new_sum
+            acc, row_max, row_sum = _blocks.over_band(bands, i, step, init)
+            attended = row_sum > 0
+            safe_sum = jnp.where(attended, row_sum, 1.0)
+            out = jnp.where(attended[..., None], acc / safe_sum[..., None], 0.0)
+            lse = jnp.where(attended, row_max + jnp.log(safe_sum), -jnp.inf)
+            return None, (out.astype(q.dtype), lse)
 
-        acc_b, max_b, sum_b = _blocks.skip_if_empty(mask, update, lambda st: st, state)
-        acc = jax.lax.dynamic_update_slice_in_dim(acc, acc_b, q_start, axis=3)
-        row_max = jax.lax.dynamic_update_slice_in_dim(row_max, max_b, q_start, axis=3)
-        row_sum = jax.lax.dynamic_update_slice_in_dim(row_sum, sum_b, q_start, axis=3)
-        return (acc, row_max, row_sum), None
+        num_q = seq_q_pad // bq
+        _, (out, lse) = jax.lax.scan(query_block, None, jnp.arange(num_q, dtype=jnp.int32))
+        # (num_q, g, bq, ...) -> (g, num_q * bq, ...)
+        out = jnp.moveaxis(out, 0, 1).reshape(groups, seq_q_pad, dim_v)
+        lse = jnp.moveaxis(lse, 0, 1).reshape(groups, seq_q_pad)
+        return out, lse
 
-    schedule = block_schedule(cfg.seq_q, cfg.seq_k, bq, bk, cfg.window, cfg.offset)
-    carry = (acc, row_max, row_sum)
-    for pairs, positional in ((schedule.partial, True), (schedule.full, False)):
-        if len(pairs):
-            carry, _ = jax.lax.scan(
-                lambda c, p, positional=positional: step(c, p, positional),
-                carry,
-                jnp.asarray(pairs),
-            )
-    acc, row_max, row_sum = carry
-    attended = row_sum > 0
-    safe_sum = jnp.where(attended, row_sum, 1.0)
-    out = jnp.where(attended[..., None], acc / safe_sum[..., None], 0.0)
-    lse = jnp.where(attended, row_max + jnp.log(safe_sum), -jnp.inf)
-    return out.astype(q.dtype), lse
+    return _blocks.per_head(head_kernel, masks, (q, k, v))

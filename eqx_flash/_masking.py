@@ -32,9 +32,12 @@ class Masks(NamedTuple):
 
 def positional_mask(
     q_pos: Int[Array, "*#b"], k_pos: Int[Array, "*#b"], offset: int, seq_k: int, window: Window
-) -> Bool[Array, "*b"]:
+) -> Bool[Array, "*#b"]:
     """Window around `p = q_pos + offset` (causal is `right=0`; the public API aligns
-    bottom-right, `offset = seq_k - seq_q`) and key padding (`k_pos < seq_k`)."""
+    bottom-right, `offset = seq_k - seq_q`) and key padding (`k_pos < seq_k`).
+
+    The result broadcasts against the positions (without a window it depends on `k_pos`
+    alone)."""
     p = q_pos + offset
     allowed = k_pos < seq_k
     if window.left is not None:

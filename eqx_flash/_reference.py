@@ -4,33 +4,47 @@ It builds the whole `(seq_q, seq_k)` logit matrix, so use it on small problems: 
 oracle in tests, and to check other attention implementations against.
 """
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike
+from beartype import beartype
+from jaxtyping import PRNGKeyArray, jaxtyped
 
+from ._config import stat_dtype
 from ._layout import merge_heads, split_heads
 from ._masking import data_mask, dropout_keep, dropout_seed, head_index, positional_mask
+from ._types import (
+    LSE,
+    Key,
+    KeyMask,
+    KeySegmentIds,
+    Output,
+    PairMask,
+    Query,
+    QuerySegmentIds,
+    RealNumber,
+    Value,
+    WindowLike,
+)
 from ._validation import check_dropout, check_masks, check_qkv, make_config
 
 
+@jaxtyped(typechecker=beartype)
 def plain_attention(
-    q: ArrayLike,
-    k: ArrayLike,
-    v: ArrayLike,
-    mask: ArrayLike | None = None,
+    q: Query,
+    k: Key,
+    v: Value,
+    mask: KeyMask | None = None,
     *,
-    attn_mask: ArrayLike | None = None,
+    attn_mask: PairMask | None = None,
     causal: bool = False,
-    window: int | tuple[int | None, int | None] | None = None,
-    q_segment_ids: ArrayLike | None = None,
-    kv_segment_ids: ArrayLike | None = None,
-    scale: float | None = None,
-    softcap: float | None = None,
-    dropout_rate: float = 0.0,
-    key: Any = None,
-) -> tuple[Array, Array]:
+    window: WindowLike = None,
+    q_segment_ids: QuerySegmentIds | None = None,
+    kv_segment_ids: KeySegmentIds | None = None,
+    scale: RealNumber | None = None,
+    softcap: RealNumber | None = None,
+    dropout_rate: RealNumber = 0.0,
+    key: PRNGKeyArray | None = None,
+) -> tuple[Output, LSE]:
     """Reference attention with exactly the semantics of `flash_attention` (which see),
     computed by materialising every logit, in float32 (float64 for float64 inputs)."""
     q, k, v, s = check_qkv(q, k, v)
@@ -40,7 +54,7 @@ def plain_attention(
         s, causal=causal, window=window, scale=scale, softcap=softcap, block_q=None,
         block_k=None, dropout_rate=rate, default_block_q=s.seq_q, default_block_k=s.seq_k,
     )
-    stat = jnp.promote_types(q.dtype, jnp.float32)
+    stat = stat_dtype(q.dtype)
     q5, k4, v4 = (x.astype(stat) for x in split_heads(q, k, v, s))
     # Repeat kv heads over their query groups: (b, kv_heads, groups, seq_k, dim).
     k5 = jnp.broadcast_to(k4[:, :, None], (s.batch, s.kv_heads, s.groups, s.seq_k, s.dim))

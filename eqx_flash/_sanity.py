@@ -5,7 +5,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array
+from beartype import beartype
+from jaxtyping import Array, DTypeLike, Float, jaxtyped
+
+from ._config import stat_dtype
 
 
 def _output(result: Any) -> Array:
@@ -13,6 +16,7 @@ def _output(result: Any) -> Array:
     return result[0] if isinstance(result, tuple | list) else result
 
 
+@jaxtyped(typechecker=beartype)
 def value_and_grad_difference(
     fn1: Callable[..., Any],
     fn2: Callable[..., Any],
@@ -25,9 +29,9 @@ def value_and_grad_difference(
     dim: int = 64,
     add_key_mask: bool = True,
     kv_heads: int | None = None,
-    dtype: Any = jnp.float32,
+    dtype: DTypeLike = jnp.float32,
     **attention_keywords: Any,
-) -> tuple[Array, tuple[Array, Array, Array]]:
+) -> tuple[Float[Array, ""], tuple[Float[Array, ""], Float[Array, ""], Float[Array, ""]]]:
     """Max absolute difference between two attention functions' outputs and gradients.
 
     Draws `q (batch, heads, q_seq_len, dim)`, `k`, `v (batch, heads, k_seq_len, dim)` and,
@@ -52,7 +56,7 @@ def value_and_grad_difference(
     def loss_and_out(fn):
         def loss(q, k, v):
             out = call(fn, q, k, v)
-            return jnp.sum(out.astype(jnp.promote_types(out.dtype, jnp.float32))), out
+            return jnp.sum(out.astype(stat_dtype(out.dtype))), out
 
         return jax.grad(loss, argnums=(0, 1, 2), has_aux=True)
 

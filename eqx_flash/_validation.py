@@ -60,9 +60,12 @@ def check_masks(
     kv_segment_ids: ArrayLike | None,
 ) -> Masks:
     if (q_segment_ids is None) != (kv_segment_ids is None):
-        given = "q_segment_ids" if q_segment_ids is not None else "kv_segment_ids"
+        given, missing = ("q_segment_ids", "kv_segment_ids")
+        if q_segment_ids is None:
+            given, missing = missing, given
         raise ValueError(
-            f"q_segment_ids and kv_segment_ids must be given together; only {given} was given"
+            "q_segment_ids and kv_segment_ids must be given together; "
+            f"got {given} but {missing}=None"
         )
     return Masks(
         key_mask=_mask_like("mask", mask, s, "keys", integer_only=False),
@@ -73,34 +76,45 @@ def check_masks(
 
 
 def _static_float(name: str, value: Any, positive: bool) -> float:
-    if isinstance(value, jax.core.Tracer):
-        raise TypeError(f"{name} must be a concrete Python float, not a traced value")
-    if isinstance(value, bool):
+    """A Python number known at trace time (it decides the compiled program)."""
+    if isinstance(value, bool) or not isinstance(value, int | float | np.number | jax.Array):
         raise TypeError(f"{name} must be a real number; got {value!r}")
     try:
         number = float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name} must be a real number; got {value!r}") from None
+    except TypeError:  # a traced JAX value: float() cannot concretise it
+        raise TypeError(
+            f"{name} must be a concrete Python number, not a traced value; got {value!r}"
+        ) from None
     if not math.isfinite(number) or (positive and number <= 0):
-        raise ValueError(f"{name} must be finite{' and > 0' if positive else ''}; got {value!r}")
+        expected = "finite and > 0" if positive else "finite"
+        raise ValueError(f"{name} must be {expected}; got {name}={value!r}")
     return number
 
 
+def _check_block(name: str, value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(f"{name} must be a positive int or None; got {name}={value!r}")
+    if value <= 0:
+        raise ValueError(f"{name} must be a positive int or None; got {name}={value!r}")
+
+
 def check_dropout(dropout_rate: Any, key: Any) -> tuple[float, Array | None]:
-    if isinstance(dropout_rate, jax.core.Tracer):
-        raise TypeError("dropout_rate must be a concrete Python float, not a traced value")
-    try:
-        rate = float(dropout_rate)
-    except (TypeError, ValueError):
-        raise TypeError(f"dropout_rate must be a float in [0, 1); got {dropout_rate!r}") from None
+    if isinstance(dropout_rate, bool):
+        raise TypeError(f"dropout_rate must be a float in [0, 1); got {dropout_rate!r}")
+    rate = _static_float("dropout_rate", dropout_rate, positive=False)
     if not 0.0 <= rate < 1.0:
-        raise ValueError(f"dropout_rate must be in [0, 1); got {dropout_rate!r}")
+        raise ValueError(f"dropout_rate must be in [0, 1); got dropout_rate={dropout_rate!r}")
     if rate == 0.0:
         return 0.0, None
     if key is None:
-        raise ValueError(f"dropout_rate={rate} > 0 needs a PRNG key: pass key=jax.random.key(...)")
-    if not isinstance(key, jax.Array | np.ndarray):
-        raise TypeError(f"key must be a JAX PRNG key; got {type(key).__name__}")
+        raise ValueError(
+            f"dropout_rate={rate} > 0 needs a PRNG key: pass key=jax.random.key(...); "
+            "got key=None"
+        )
+    if not isinstance(key, jax.Array):
+        raise TypeError(f"key must be a JAX PRNG key; got key of type {type(key).__name__}")
     if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
         if key.dtype == jnp.uint32 and key.shape == (2,):
             key = jax.random.wrap_key_data(key)  # a legacy jax.random.PRNGKey
@@ -128,10 +142,17 @@ def make_config(
     default_block_k: int,
 ) -> KernelConfig:
     if not isinstance(causal, bool | np.bool_):
-        raise TypeError(f"causal must be a bool; got {causal!r}")
+        raise TypeError(f"causal must be a bool; got causal={causal!r}")
     win: Window = make_window(window, bool(causal))
-    scale = 1.0 / math.sqrt(s.dim) if scale is None else _static_float("scale", scale, positive=False)
+    if scale is None:
+        scale = 1.0 / math.sqrt(s.dim)
+    else:
+        scale = _static_float("scale", scale, positive=False)
     softcap = None if softcap is None else _static_float("softcap", softcap, positive=True)
+    _check_block("block_q", block_q)
+    _check_block("block_k", block_k)
+    block_q = None if block_q is None else int(block_q)
+    block_k = None if block_k is None else int(block_k)
     check_block_size("block_q", block_q)
     check_block_size("block_k", block_k)
     return KernelConfig(

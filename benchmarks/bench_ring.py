@@ -1,0 +1,106 @@
+"""Ring attention on 1, 2 and 4 host (CPU) devices: time and per-device memory.
+
+Run: `python benchmarks/bench_ring.py [--seq 4096] [--memory-seqs 8192,32768]`. The
+script asks XLA for 4 host devices itself (before jax is imported). For plain
+`flash_attention` and for `sharded_flash_attention` with the sequence over 1, 2 and 4
+devices it reports the wall time of one forward+backward step at `--seq` (best of
+`--repeats`) and the per-device compiled temp memory (`memory_analysis()`, compile only)
+at each of `--memory-seqs`.
+
+Host devices share the machine's cores, so expect memory, not speed, to improve with
+more of them; on real accelerators each device brings its own compute.
+"""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+).strip()
+
+import argparse  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
+
+import eqx_flash  # noqa: E402
+
+
+def _step(loss):
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
+def _time(loss, args, repeats: int) -> float:
+    compiled = _step(loss).lower(*args).compile()
+    jax.block_until_ready(compiled(*args))
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _temp_mib(loss, args) -> float:
+    """Per-device temp memory of the compiled step (compiled only, not run)."""
+    memory = _step(loss).lower(*args).compile().memory_analysis()
+    assert memory is not None, "this backend reports no memory analysis"
+    return memory.temp_size_in_bytes / 2**20
+
+
+def _setups(causal: bool):
+    """(name, mesh or None, loss) for single-device flash_attention and the ring on 1, 2, 4."""
+
+    def single(q, k, v):
+        return eqx_flash.flash_attention(q, k, v, causal=causal)[0].sum()
+
+    yield "flash_attention", None, single
+    for n in (1, 2, 4):
+        mesh = Mesh(np.array(jax.devices()[:n]), ("seq",))
+
+        def ring(q, k, v, mesh=mesh):
+            out, _ = eqx_flash.sharded_flash_attention(
+                q, k, v, mesh=mesh, seq_axis="seq", causal=causal
+            )
+            return out.sum()
+
+        yield f"ring, {n} device{'s' * (n > 1)}", mesh, ring
+
+
+def _placed(shape, mesh, concrete: bool):
+    sharding = None if mesh is None else NamedSharding(mesh, PartitionSpec(None, None, "seq"))
+    if not concrete:
+        return tuple(jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sharding) for _ in "qkv")
+    keys = jax.random.split(jax.random.key(0), 3)
+    arrays = tuple(jax.random.normal(key, shape, jnp.float32) for key in keys)
+    return arrays if sharding is None else tuple(jax.device_put(x, sharding) for x in arrays)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seq", type=int, default=4096, help="sequence length for timing")
+    parser.add_argument("--memory-seqs", type=str, default="8192,32768")
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    opts = parser.parse_args()
+    memory_seqs = [int(x) for x in opts.memory_seqs.split(",") if x]
+    print(f"heads={opts.heads} dim={opts.dim} causal={opts.causal} float32, forward+backward, "
+          f"{len(jax.devices())} host devices")
+    header = f"{'setup':<18}{f'time s @{opts.seq}':>16}"
+    header += "".join(f"{f'temp MiB/dev @{s}':>22}" for s in memory_seqs)
+    print(header)
+    for name, mesh, loss in _setups(opts.causal):
+        shape = (1, opts.heads, opts.seq, opts.dim)
+        row = f"{name:<18}{_time(loss, _placed(shape, mesh, True), opts.repeats):>16.3f}"
+        for seq in memory_seqs:
+            args = _placed((1, opts.heads, seq, opts.dim), mesh, False)
+            row += f"{_temp_mib(loss, args):>22.1f}"
+        print(row, flush=True)
+
+
+if __name__ == "__main__":
+    main()

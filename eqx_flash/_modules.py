@@ -1,0 +1,482 @@
+"""Equinox modules: `FlashAttention` (parameter free) and `FlashMultiheadAttention`, a
+drop-in replacement for `eqx.nn.MultiheadAttention` with memory linear in the sequence.
+
+The modules validate their configuration once, in `__check_init__`, and leave every
+per-call shape check to `flash_attention`.
+"""
+
+import math
+import typing
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from beartype import beartype
+from jaxtyping import Array, Bool, Float, PRNGKeyArray, jaxtyped
+
+from ._config import check_block_size, make_window
+from ._flash import flash_attention
+
+WindowArg = int | tuple[int | None, int | None] | None
+# Constructors also take a list (stored as a tuple, to stay hashable).
+WindowInput = WindowArg | list[int | None]
+
+# `(seq_k,)` key padding, `(seq_q, seq_k)` shared by all heads, or one per head.
+Mask = Bool[Array, "seq_k"] | Bool[Array, "seq_q seq_k"] | Bool[Array, "heads seq_q seq_k"]
+
+ProcessHeads = Callable[
+    [
+        Float[Array, "seq_q heads dim"],
+        Float[Array, "seq_k kv_heads dim"],
+        Float[Array, "seq_k kv_heads dim_v"],
+    ],
+    tuple[
+        Float[Array, "seq_q heads dim"],
+        Float[Array, "seq_k kv_heads dim"],
+        Float[Array, "seq_k kv_heads dim_v"],
+    ],
+]
+
+
+def _normalise_window(window: Any) -> Any:
+    # A list would make the static field unhashable; keep the user's form otherwise.
+    return tuple(window) if isinstance(window, list) else window
+
+
+def _check_options(causal, window, softcap, scale, block_q, block_k) -> None:
+    """Raise ValueError/TypeError naming the field for a bad static attention option."""
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool; got causal={causal!r}")
+    try:
+        make_window(window, causal)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"window={window!r} is invalid: {e}") from None
+    if softcap is not None and (
+        isinstance(softcap, bool)
+        or not isinstance(softcap, int | float)
+        or not math.isfinite(softcap)
+        or softcap <= 0
+    ):
+        raise ValueError(f"softcap must be None or a finite float > 0; got softcap={softcap!r}")
+    if scale is not None and (
+        isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale)
+    ):
+        raise ValueError(f"scale must be None or a finite float; got scale={scale!r}")
+    check_block_size("block_q", block_q)
+    check_block_size("block_k", block_k)
+
+
+def _check_dropout_p(name: str, p: Any) -> None:
+    # A traced or array-valued p (e.g. swapped in with eqx.tree_at) is checked at call time.
+    if isinstance(p, int | float) and not isinstance(p, bool) and not 0.0 <= p < 1.0:
+        raise ValueError(f"{name} must be in [0, 1); got {name}={p!r}")
+
+
+def _dropout_rate(p: Any, inference: bool, key: PRNGKeyArray | None) -> float:
+    """The rate to apply, following `eqx.nn.Dropout`: none in inference mode or at p = 0."""
+    if inference or (isinstance(p, int | float) and p == 0):
+        return 0.0
+    if key is None:
+        # RuntimeError, as eqx.nn.Dropout raises, so the module stays a drop-in.
+        raise RuntimeError(
+            "dropout needs a PRNG key when not in inference mode: pass key=..., "
+            "or switch dropout off with inference=True / eqx.nn.inference_mode"
+        )
+    return p
+
+
+def _attend(
+    q: Array,
+    k: Array,
+    v: Array,
+    mask: Array | None,
+    *,
+    causal: bool,
+    window: WindowArg,
+    softcap: float | None,
+    scale: float | None,
+    block_q: int | None,
+    block_k: int | None,
+    dropout_rate: float,
+    key: PRNGKeyArray | None,
+) -> Array:
+    """Unbatched `(heads, seq_q, dim)` attention with an Equinox-style mask."""
+    key_mask = attn_mask = None
+    if mask is not None:
+        if mask.ndim == 1:
+            key_mask = mask
+        else:
+            attn_mask = mask
+    out, _ = flash_attention(
+        q,
+        k,
+        v,
+        key_mask,
+        attn_mask=attn_mask,
+        causal=causal,
+        window=window,
+        softcap=softcap,
+        scale=scale,
+        block_q=block_q,
+        block_k=block_k,
+        dropout_rate=dropout_rate,
+        key=key if dropout_rate else None,
+    )
+    return out
+
+
+@typing.final
+class FlashAttention(eqx.Module):
+    """Exact attention as a parameter-free module, with dropout on the attention weights.
+
+    Works on one example: `jax.vmap` it over a batch. Behaves as `flash_attention`
+    (which see for the meaning of each option); `dropout_p` and `inference` behave as in
+    `eqx.nn.Dropout`, so `eqx.nn.inference_mode` switches dropout off.
+    """
+
+    causal: bool = eqx.field(static=True)
+    window: WindowArg = eqx.field(static=True)
+    softcap: float | None = eqx.field(static=True)
+    scale: float | None = eqx.field(static=True)
+    block_q: int | None = eqx.field(static=True)
+    block_k: int | None = eqx.field(static=True)
+    # Not static, as in eqx.nn.Dropout: eqx.nn.inference_mode replaces `inference`.
+    dropout_p: float
+    inference: bool
+
+    def __init__(
+        self,
+        *,
+        causal: bool = False,
+        window: WindowInput = None,
+        softcap: float | None = None,
+        scale: float | None = None,
+        block_q: int | None = None,
+        block_k: int | None = None,
+        dropout_p: float = 0.0,
+        inference: bool = False,
+    ):
+        """**Arguments:**
+
+        - `causal`: query `i` attends to keys `j <= i + seq_k - seq_q` (bottom-right).
+        - `window`: `(left, right)` or `w` for `(w, w)`, a sliding window around the
+            aligned position; `None` is unbounded.
+        - `softcap`: if given, logits become `softcap * tanh(logits / softcap)`.
+        - `scale`: logit scale, default `1/sqrt(dim)`.
+        - `block_q`, `block_k`: block sizes (default: tuned for CPU).
+        - `dropout_p`: dropout probability on the attention weights, in `[0, 1)`.
+        - `inference`: if `True`, no dropout. Overridable per call.
+        """
+        self.causal = causal
+        self.window = _normalise_window(window)
+        self.softcap = softcap
+        self.scale = scale
+        self.block_q = block_q
+        self.block_k = block_k
+        self.dropout_p = dropout_p
+        self.inference = inference
+
+    def __check_init__(self):
+        _check_options(
+            self.causal, self.window, self.softcap, self.scale, self.block_q, self.block_k
+        )
+        _check_dropout_p("dropout_p", self.dropout_p)
+
+    @jaxtyped(typechecker=beartype)
+    def __call__(
+        self,
+        q: Float[Array, "heads seq_q dim"],
+        k: Float[Array, "kv_heads seq_k dim"],
+        v: Float[Array, "kv_heads seq_k dim_v"],
+        mask: Mask | None = None,
+        *,
+        key: PRNGKeyArray | None = None,
+        inference: bool | None = None,
+    ) -> Float[Array, "heads seq_q dim_v"]:
+        """**Arguments:**
+
+        - `q`: queries `(heads, seq_q, dim)`.
+        - `k`: keys `(kv_heads, seq_k, dim)`; `kv_heads` divides `heads` (GQA/MQA).
+        - `v`: values `(kv_heads, seq_k, dim_v)`.
+        - `mask`: `True` attends: a key-padding mask `(seq_k,)`, or `(seq_q, seq_k)`, or
+            per head `(heads, seq_q, seq_k)`.
+        - `key`: PRNG key for dropout (needed unless dropout is off).
+        - `inference`: overrides `self.inference` for this call.
+
+        **Returns:**
+
+        `(heads, seq_q, dim_v)` in q's dtype. A query that may attend to no key gets 0.
+        """
+        inference = self.inference if inference is None else inference
+        rate = _dropout_rate(self.dropout_p, inference, key)
+        return _attend(
+            q, k, v, mask, causal=self.causal, window=self.window, softcap=self.softcap,
+            scale=self.scale, block_q=self.block_q, block_k=self.block_k,
+            dropout_rate=rate, key=key,
+        )
+
+
+@typing.final
+class FlashMultiheadAttention(eqx.Module):
+    """Multi-head attention with the fields, initialisation and call signature of
+    `eqx.nn.MultiheadAttention`, computed blockwise with memory linear in the sequence
+    length, plus grouped-query attention (`num_kv_heads`), causal/sliding-window masks
+    and logit soft-capping.
+
+    With the same weights it matches `eqx.nn.MultiheadAttention` to float32 round-off,
+    except for a query with no key to attend (all masked): Equinox averages the values,
+    this module uses 0 for that head before the output projection.
+    """
+
+    query_proj: eqx.nn.Linear
+    key_proj: eqx.nn.Linear
+    value_proj: eqx.nn.Linear
+    output_proj: eqx.nn.Linear
+    dropout: eqx.nn.Dropout
+
+    num_heads: int = eqx.field(static=True)
+    num_kv_heads: int = eqx.field(static=True)
+    query_size: int = eqx.field(static=True)
+    key_size: int = eqx.field(static=True)
+    value_size: int = eqx.field(static=True)
+    output_size: int = eqx.field(static=True)
+    qk_size: int = eqx.field(static=True)
+    vo_size: int = eqx.field(static=True)
+    use_query_bias: bool = eqx.field(static=True)
+    use_key_bias: bool = eqx.field(static=True)
+    use_value_bias: bool = eqx.field(static=True)
+    use_output_bias: bool = eqx.field(static=True)
+    causal: bool = eqx.field(static=True)
+    window: WindowArg = eqx.field(static=True)
+    softcap: float | None = eqx.field(static=True)
+    block_q: int | None = eqx.field(static=True)
+    block_k: int | None = eqx.field(static=True)
+
+    def __init__(
+        self,
+        num_heads: int,
+        query_size: int,
+        key_size: int | None = None,
+        value_size: int | None = None,
+        output_size: int | None = None,
+        qk_size: int | None = None,
+        vo_size: int | None = None,
+        use_query_bias: bool = False,
+        use_key_bias: bool = False,
+        use_value_bias: bool = False,
+        use_output_bias: bool = False,
+        dropout_p: float = 0.0,
+        inference: bool = False,
+        dtype: Any = None,
+        *,
+        num_kv_heads: int | None = None,
+        causal: bool = False,
+        window: WindowInput = None,
+        softcap: float | None = None,
+        block_q: int | None = None,
+        block_k: int | None = None,
+        key: PRNGKeyArray,
+    ):
+        """**Arguments:**
+
+        The positional arguments and `key` are those of `eqx.nn.MultiheadAttention`; with
+        the same `key` (and `num_kv_heads == num_heads`) the initial weights are
+        identical.
+
+        - `num_heads`: number of query heads.
+        - `query_size`, `key_size`, `value_size`, `output_size`: channels of the inputs
+            and the output (all but `query_size` default to `query_size`).
+        - `qk_size`, `vo_size`: channels per head (default `query_size // num_heads`).
+        - `use_query_bias`, `use_key_bias`, `use_value_bias`, `use_output_bias`: biases.
+        - `dropout_p`: dropout probability on the attention weights.
+        - `inference`: if `True`, no dropout (see `eqx.nn.inference_mode`).
+        - `dtype`: parameter dtype (default float32, or float64 in x64 mode).
+        - `num_kv_heads`: key/value heads (default `num_heads`); must divide
+            `num_heads`. Fewer gives grouped-query attention, 1 multi-query.
+        - `causal`, `window`, `softcap`, `block_q`, `block_k`: as in `flash_attention`.
+        - `key`: PRNG key for the initialisation.
+        """
+        # Checked before any size is derived or any Linear is built with a bad size.
+        _check_heads(num_heads, num_heads if num_kv_heads is None else num_kv_heads)
+        _check_sizes(query_size=query_size, key_size=key_size, value_size=value_size,
+                     output_size=output_size, qk_size=qk_size, vo_size=vo_size)
+        # Exactly eqx.nn.MultiheadAttention's key use, so weights agree for the same key.
+        qkey, kkey, vkey, okey = jax.random.split(key, 4)
+        key_size = query_size if key_size is None else key_size
+        value_size = query_size if value_size is None else value_size
+        qk_size = query_size // num_heads if qk_size is None else qk_size
+        vo_size = query_size // num_heads if vo_size is None else vo_size
+        output_size = query_size if output_size is None else output_size
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        _check_sizes(qk_size=qk_size, vo_size=vo_size)  # the derived defaults may be 0
+
+        self.query_proj = eqx.nn.Linear(
+            query_size, num_heads * qk_size, use_bias=use_query_bias, dtype=dtype, key=qkey
+        )
+        self.key_proj = eqx.nn.Linear(
+            key_size, num_kv_heads * qk_size, use_bias=use_key_bias, dtype=dtype, key=kkey
+        )
+        self.value_proj = eqx.nn.Linear(
+            value_size, num_kv_heads * vo_size, use_bias=use_value_bias, dtype=dtype, key=vkey
+        )
+        self.output_proj = eqx.nn.Linear(
+            num_heads * vo_size, output_size, use_bias=use_output_bias, dtype=dtype, key=okey
+        )
+        self.dropout = eqx.nn.Dropout(dropout_p, inference=inference)
+
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.query_size = query_size
+        self.key_size = key_size
+        self.value_size = value_size
+        self.output_size = output_size
+        self.qk_size = qk_size
+        self.vo_size = vo_size
+        self.use_query_bias = use_query_bias
+        self.use_key_bias = use_key_bias
+        self.use_value_bias = use_value_bias
+        self.use_output_bias = use_output_bias
+        self.causal = causal
+        self.window = _normalise_window(window)
+        self.softcap = softcap
+        self.block_q = block_q
+        self.block_k = block_k
+
+    def __check_init__(self):
+        _check_heads(self.num_heads, self.num_kv_heads)
+        _check_sizes(**{name: getattr(self, name) for name in (
+            "query_size", "key_size", "value_size", "output_size", "qk_size", "vo_size")})
+        _check_options(
+            self.causal, self.window, self.softcap, None, self.block_q, self.block_k
+        )
+        _check_dropout_p("dropout_p", self.dropout.p)
+
+    @classmethod
+    def from_eqx(
+        cls, mha: eqx.nn.MultiheadAttention, **flash_options: Any
+    ) -> "FlashMultiheadAttention":
+        """Convert an `eqx.nn.MultiheadAttention`, keeping its weights and dropout.
+
+        **Arguments:**
+
+        - `mha`: the module to convert.
+        - `**flash_options`: any of `causal`, `window`, `softcap`, `block_q`, `block_k`.
+
+        **Returns:**
+
+        A `FlashMultiheadAttention` sharing `mha`'s projections and dropout.
+        """
+        allowed = {"causal", "window", "softcap", "block_q", "block_k"}
+        unknown = set(flash_options) - allowed
+        if unknown:
+            raise TypeError(
+                f"from_eqx got unexpected options {sorted(unknown)}; allowed: {sorted(allowed)}"
+            )
+        # Build the shell abstractly (no random init), then put mha's own leaves in it.
+        shell = eqx.filter_eval_shape(
+            cls,
+            mha.num_heads,
+            mha.query_size,
+            mha.key_size,
+            mha.value_size,
+            mha.output_size,
+            mha.qk_size,
+            mha.vo_size,
+            mha.use_query_bias,
+            mha.use_key_bias,
+            mha.use_value_bias,
+            mha.use_output_bias,
+            dtype=mha.query_proj.weight.dtype,
+            key=jax.random.key(0),
+            **flash_options,
+        )
+        return eqx.tree_at(
+            lambda m: (m.query_proj, m.key_proj, m.value_proj, m.output_proj, m.dropout),
+            shell,
+            (mha.query_proj, mha.key_proj, mha.value_proj, mha.output_proj, mha.dropout),
+        )
+
+    @jaxtyped(typechecker=beartype)
+    def __call__(
+        self,
+        query: Float[Array, "seq_q query_size"],
+        key_: Float[Array, "seq_k key_size"],
+        value: Float[Array, "seq_k value_size"],
+        mask: Mask | None = None,
+        *,
+        key: PRNGKeyArray | None = None,
+        inference: bool | None = None,
+        process_heads: ProcessHeads | None = None,
+    ) -> Float[Array, "seq_q output_size"]:
+        """**Arguments:**
+
+        - `query`: `(seq_q, query_size)`.
+        - `key_`: `(seq_k, key_size)`.
+        - `value`: `(seq_k, value_size)`.
+        - `mask`: `True` attends: a key-padding mask `(seq_k,)`, or as in Equinox
+            `(seq_q, seq_k)` or per head `(num_heads, seq_q, seq_k)`.
+        - `key`: PRNG key for dropout (needed unless dropout is off).
+        - `inference`: overrides `self.dropout.inference` for this call.
+        - `process_heads`: as in Equinox, a function of the projected heads
+            `(seq_q, num_heads, qk_size)`, `(seq_k, num_kv_heads, qk_size)`,
+            `(seq_k, num_kv_heads, vo_size)` returning new heads of the same shapes
+            (e.g. rotary embeddings).
+
+        **Returns:**
+
+        `(seq_q, output_size)`.
+        """
+        for name, x, size in (("query", query, self.query_size), ("key_", key_, self.key_size),
+                              ("value", value, self.value_size)):
+            if x.shape[-1] != size:
+                raise ValueError(
+                    f"{name} must have shape (seq, {size}) for this module; got {name}.shape="
+                    f"{x.shape}"
+                )
+        with jax.named_scope("eqx_flash.FlashMultiheadAttention"):
+            q = _project(self.query_proj, query, self.num_heads)
+            k = _project(self.key_proj, key_, self.num_kv_heads)
+            v = _project(self.value_proj, value, self.num_kv_heads)
+            if process_heads is not None:
+                shapes = (q.shape, k.shape, v.shape)
+                q, k, v = process_heads(q, k, v)
+                if (q.shape, k.shape, v.shape) != shapes:
+                    raise ValueError(
+                        "process_heads must not change the shape of the heads; got "
+                        f"{(q.shape, k.shape, v.shape)} from {shapes}"
+                    )
+            inference = self.dropout.inference if inference is None else inference
+            rate = _dropout_rate(self.dropout.p, inference, key)
+            heads = _attend(
+                jnp.swapaxes(q, 0, 1), jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1), mask,
+                causal=self.causal, window=self.window, softcap=self.softcap, scale=None,
+                block_q=self.block_q, block_k=self.block_k, dropout_rate=rate, key=key,
+            )
+            attn = jnp.swapaxes(heads, 0, 1).reshape(query.shape[0], -1)
+            return jax.vmap(self.output_proj)(attn)
+
+
+def _check_heads(num_heads: Any, num_kv_heads: Any) -> None:
+    for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive int; got {name}={value!r}")
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"num_kv_heads must divide num_heads; got num_heads={num_heads}, "
+            f"num_kv_heads={num_kv_heads}"
+        )
+
+
+def _check_sizes(**sizes: Any) -> None:
+    """Sizes given (not None) must be positive ints."""
+    for name, value in sizes.items():
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive int; got {name}={value!r}")
+
+
+def _project(proj: eqx.nn.Linear, x: Array, heads: int) -> Array:
+    return jax.vmap(proj)(x).reshape(x.shape[0], heads, -1)

@@ -1,0 +1,374 @@
+"""Context-parallel ring attention: the sequence is sharded over a mesh axis.
+
+Each device keeps its query chunk and passes key/value chunks around the ring with
+`lax.ppermute`; partial `(out, lse)` pairs merge through the log-sum-exp. The backward pass
+is a ring too: dq stays home, dk/dv travel with their chunks and arrive home after a full
+turn. Per device, memory is that of one chunk pair, O(seq / devices).
+
+Where a chunk pair sits relative to the causal diagonal or a window depends on which
+devices meet at a ring step, a run-time value, while the kernels take the alignment
+statically (`KernelConfig.diagonal_offset`). So every (device, step) pair is classified
+at trace time into skip / fully visible / one of a few masked variants, and `lax.switch`
+picks the variant at run time.
+"""
+
+import dataclasses
+import functools
+from collections.abc import Hashable
+from typing import Any, Literal, cast
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, ArrayLike
+
+from . import _config
+from ._backward import backward
+from ._config import KernelConfig, Window
+from ._forward import forward
+from ._layout import Shapes, merge_heads, split_heads
+from ._masking import Masks
+from ._schedule import block_schedule
+from ._validation import check_masks, check_qkv, make_config
+
+Layout = Literal["contiguous", "zigzag", "striped"]
+LAYOUTS: tuple[str, ...] = ("contiguous", "zigzag", "striped")
+
+
+def subchunks(layout: str) -> int:
+    """How many contiguous pieces of the global sequence one device holds."""
+    return 2 if layout == "zigzag" else 1
+
+
+def chunk_index(layout: str, num_devices: int, device: int, piece: int) -> int:
+    """Global chunk number of `piece` on `device` (chunks of `seq / (devices * pieces)`).
+
+    Zigzag gives device `i` chunks `i` and `2n - 1 - i`, so each device has one early and
+    one late chunk and causal work is even. (Striped is token-level, handled apart.)
+    """
+    if layout == "zigzag":
+        return device if piece == 0 else 2 * num_devices - 1 - device
+    return device
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ring:
+    """Static description of one ring call. `base.seq_q`/`seq_k` are the lengths of one
+    piece (the local shard divided by `subchunks(layout)`); `base.window` is global."""
+
+    axis_name: Hashable
+    num_devices: int
+    layout: str
+    base: KernelConfig
+
+    @property
+    def pieces(self) -> int:
+        return subchunks(self.layout)
+
+
+def _pair_config(ring: _Ring, a: int, s: int, b: int, t: int) -> KernelConfig | None:
+    """Kernel config for query piece `s` of device `a` against key piece `t` of device `b`:
+    None if no pair attends, an unmasked config if all do, else a positioned one."""
+    n, base = ring.num_devices, ring.base
+    cq, ck, win = base.seq_q, base.seq_k, base.window
+    if ring.layout == "striped":
+        # Device a holds global tokens a + n*r. In local indices the global window
+        # becomes another window around the same diagonal (floor division is exact here).
+        left = None if win.left is None else (win.left - (a - b)) // n
+        right = None if win.right is None else (a - b + win.right) // n
+        window, offset = Window(left, right), ck - cq
+    else:
+        total = n * ring.pieces
+        gq = chunk_index(ring.layout, n, a, s)
+        gk = chunk_index(ring.layout, n, b, t)
+        window, offset = win, gq * cq - gk * ck + total * (ck - cq)
+    one_block = block_schedule(cq, ck, cq, ck, window, offset)
+    if len(one_block.full):
+        return dataclasses.replace(base, window=Window(), diagonal_offset=None)
+    if len(one_block.partial):
+        return dataclasses.replace(base, window=window, diagonal_offset=offset)
+    return None
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(ring: _Ring) -> dict[tuple[int, int], tuple[tuple[KernelConfig | None, ...], np.ndarray]]:
+    """Per (query piece, key piece): the distinct variants and a `[device, source]` table
+    of which variant applies."""
+    n = ring.num_devices
+    plan = {}
+    for s in range(ring.pieces):
+        for t in range(ring.pieces):
+            variants: list[KernelConfig | None] = []
+            table = np.zeros((n, n), np.int32)
+            for a in range(n):
+                for b in range(n):
+                    cfg = _pair_config(ring, a, s, b, t)
+                    if cfg not in variants:
+                        variants.append(cfg)
+                    table[a, b] = variants.index(cfg)
+            plan[(s, t)] = (tuple(variants), table)
+    return plan
+
+
+def _dispatch(branches, table: np.ndarray, me: Array, src: Array, *operands):
+    if len(branches) == 1:
+        return branches[0](*operands)
+    return jax.lax.switch(jnp.asarray(table)[me, src], branches, *operands)
+
+
+def _shift(tree, ring: _Ring):
+    """Send everything one step along the ring (device j to j + 1)."""
+    n = ring.num_devices
+    perm = [(j, (j + 1) % n) for j in range(n)]
+    return jax.tree.map(lambda x: jax.lax.ppermute(x, ring.axis_name, perm), tree)
+
+
+def _varying_axes(tree) -> tuple:
+    """Manual mesh axes any leaf varies over (inside `shard_map` with `check_vma=True`)."""
+    axes = set()
+    for x in jax.tree.leaves(tree):
+        manual = getattr(jax.typeof(x), "manual_axis_type", None)
+        axes |= set(getattr(manual, "varying", ()))
+    return tuple(sorted(axes, key=str))
+
+
+def _vary(tree, like):
+    """Give fresh accumulators the varying manual axes of the inputs `like`, so that scan
+    carries and switch branches type-check under shard_map's `check_vma=True`."""
+    axes = _varying_axes(like)
+    if not axes:
+        return tree
+    return jax.tree.map(lambda x: jax.lax.pcast(x, axes, to="varying"), tree)
+
+
+def _key_masks(masks: Masks) -> tuple[Array | None, Array | None]:
+    return masks.key_mask, masks.kv_segment_ids
+
+
+def _pair_masks(q_masks: Masks, key_masks: tuple[Array | None, Array | None]) -> Masks:
+    return Masks(
+        key_mask=key_masks[0],
+        q_segment_ids=q_masks.q_segment_ids,
+        kv_segment_ids=key_masks[1] if q_masks.q_segment_ids is not None else None,
+    )
+
+
+def _forward_pair(cfg: KernelConfig | None, out, lse, q, k, v, masks):
+    """Attend one chunk pair and merge it into the running normalised `(out, lse)`."""
+    if cfg is None:
+        return out, lse
+    part_out, part_lse = forward(cfg, q, k, v, masks, None)
+    top = jnp.maximum(lse, part_lse)
+    shift = jnp.where(top == -jnp.inf, 0.0, top)
+    w_old, w_new = jnp.exp(lse - shift), jnp.exp(part_lse - shift)
+    total = w_old + w_new
+    attended = total > 0
+    safe = jnp.where(attended, total, 1.0)
+    out = (out * w_old[..., None] + part_out.astype(out.dtype) * w_new[..., None]) / safe[
+        ..., None
+    ]
+    lse = jnp.where(attended, shift + jnp.log(safe), -jnp.inf)
+    return out, lse
+
+
+def _backward_pair(cfg: KernelConfig | None, grads, q, k, v, out, lse, d_out, d_lse, masks):
+    """One chunk pair's share of the gradients, given the merged `out` and `lse`."""
+    if cfg is None:
+        return grads
+    parts = backward(cfg, q, k, v, out, lse, d_out, d_lse, masks, None)
+    return tuple(g + p.astype(g.dtype) for g, p in zip(grads, parts, strict=True))
+
+
+def _ring_forward(ring: _Ring, q, k, v, masks):
+    """`q`, `k`, `v`, `masks`: tuples over pieces of padded internal-layout arrays."""
+    n, m, plan = ring.num_devices, ring.pieces, _plan(ring)
+    me = jax.lax.axis_index(ring.axis_name)
+    stat = jnp.promote_types(q[0].dtype, jnp.float32)
+    out = tuple(jnp.zeros((*x.shape[:-1], v[0].shape[-1]), stat) for x in q)
+    lse = tuple(jnp.full(x.shape[:-1], -jnp.inf, stat) for x in q)
+    out, lse = _vary((out, lse), (q, k, v, masks))
+    travelling = (k, v, tuple(_key_masks(x) for x in masks))
+
+    def step(carry, i):
+        out, lse, here = carry
+        # Issue the transfer first so it can overlap with this step's compute.
+        nxt = _shift(here, ring)
+        k, v, key_masks = here
+        src = (me - i) % n
+        out, lse = list(out), list(lse)
+        for s in range(m):
+            for t in range(m):
+                variants, table = plan[(s, t)]
+                branches = [functools.partial(_forward_pair, cfg) for cfg in variants]
+                pair_masks = _pair_masks(masks[s], key_masks[t])
+                out[s], lse[s] = _dispatch(
+                    branches, table, me, src, out[s], lse[s], q[s], k[t], v[t], pair_masks
+                )
+        return (tuple(out), tuple(lse), nxt), None
+
+    (out, lse, _), _ = jax.lax.scan(step, (out, lse, travelling), jnp.arange(n))
+    return tuple(o.astype(x.dtype) for o, x in zip(out, q, strict=True)), lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring_attention(ring: _Ring, q, k, v, masks):
+    return _ring_forward(ring, q, k, v, masks)
+
+
+def _ring_attention_fwd(ring, q, k, v, masks):
+    out, lse = _ring_forward(ring, q, k, v, masks)
+    return (out, lse), (q, k, v, masks, out, lse)
+
+
+def _ring_attention_bwd(ring, residuals, cotangents):
+    q, k, v, masks, out, lse = residuals
+    d_out, d_lse = cotangents
+    n, m, plan = ring.num_devices, ring.pieces, _plan(ring)
+    me = jax.lax.axis_index(ring.axis_name)
+    stat = jnp.promote_types(q[0].dtype, jnp.float32)
+    d_q = tuple(jnp.zeros(x.shape, stat) for x in q)
+    d_kv = (tuple(jnp.zeros(x.shape, stat) for x in k), tuple(jnp.zeros(x.shape, stat) for x in v))
+    d_q, d_kv = _vary((d_q, d_kv), (q, k, v, masks, out, lse, d_out, d_lse))
+    travelling = (k, v, tuple(_key_masks(x) for x in masks))
+
+    def step(carry, i):
+        d_q, here, d_kv = carry
+        nxt = _shift(here, ring)
+        k, v, key_masks = here
+        src = (me - i) % n
+        d_q, d_k, d_v = list(d_q), list(d_kv[0]), list(d_kv[1])
+        for s in range(m):
+            for t in range(m):
+                variants, table = plan[(s, t)]
+                branches = [functools.partial(_backward_pair, cfg) for cfg in variants]
+                pair_masks = _pair_masks(masks[s], key_masks[t])
+                d_q[s], d_k[t], d_v[t] = _dispatch(
+                    branches, table, me, src, (d_q[s], d_k[t], d_v[t]),
+                    q[s], k[t], v[t], out[s], lse[s], d_out[s], d_lse[s], pair_masks,
+                )
+        # dk/dv follow their chunk; after n shifts they are back on its owner.
+        d_kv = _shift((tuple(d_k), tuple(d_v)), ring)
+        return (tuple(d_q), nxt, d_kv), None
+
+    (d_q, _, (d_k, d_v)), _ = jax.lax.scan(step, (d_q, travelling, d_kv), jnp.arange(n))
+
+    def cast(grads, like):
+        return tuple(g.astype(x.dtype) for g, x in zip(grads, like, strict=True))
+
+    no_grad = jax.tree.map(lambda _: None, masks)
+    return cast(d_q, q), cast(d_k, k), cast(d_v, v), no_grad
+
+
+_ring_attention.defvjp(_ring_attention_fwd, _ring_attention_bwd)
+
+
+def _pieces(x: Array | None, axis: int, count: int, padded: int) -> tuple[Array | None, ...]:
+    """Split `x` into `count` equal pieces along `axis`, each zero-padded to `padded`
+    (axes of size 1 broadcast and stay whole)."""
+    if x is None:
+        return (None,) * count
+    if x.shape[axis] == 1:
+        return (x,) * count
+    out = []
+    for piece in jnp.split(x, count, axis=axis):
+        widths = [(0, 0)] * x.ndim
+        widths[axis % x.ndim] = (0, padded - piece.shape[axis])
+        out.append(jnp.pad(piece, widths))
+    return tuple(out)
+
+
+def ring_flash_attention(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    mask: ArrayLike | None = None,
+    *,
+    axis_name: Hashable,
+    causal: bool = False,
+    window: int | tuple[int | None, int | None] | None = None,
+    q_segment_ids: ArrayLike | None = None,
+    kv_segment_ids: ArrayLike | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    layout: Layout = "contiguous",
+) -> tuple[Array, Array]:
+    """Flash attention over a sequence sharded along mesh axis `axis_name`.
+
+    Call it inside `jax.shard_map`, on each device's shard: the sequence axis (−2) of q,
+    k, v and the last axis of `mask` and the segment ids are split over `axis_name`, all
+    other axes as you like (data or tensor parallel over other mesh axes). Key/value
+    chunks travel round the ring with `lax.ppermute`; the backward pass is a ring too.
+
+    **Arguments:**
+
+    - `q`, `k`, `v`, `mask`, `causal`, `window`, `q_segment_ids`, `kv_segment_ids`,
+        `scale`, `softcap`: as in `flash_attention`, but each device passes its local
+        shard. Causal and window are bottom-right aligned on the *global* sequence.
+    - `axis_name`: the mesh axis the sequence is sharded over.
+    - `block_q`, `block_k`: kernel block sizes within one chunk.
+    - `layout`: how the global sequence was cut into the shards. `"contiguous"`: device
+        `i` holds the `i`-th slice. `"zigzag"`: the sequence is cut into `2n` chunks and
+        device `i` holds chunks `i` and `2n-1-i` (balances causal work). `"striped"`:
+        device `i` holds tokens `i, i+n, i+2n, ...`. `to_ring_layout` arranges a global
+        array so that plain contiguous sharding gives each device its part.
+
+    **Returns:**
+
+    The local shard of `(out, lse)`, as `flash_attention` returns them.
+
+    Dropout and dense `attn_mask` are not supported on the ring.
+    """
+    q, k, v, shapes = check_qkv(q, k, v)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}; got {layout!r}")
+    masks = check_masks(shapes, mask, None, q_segment_ids, kv_segment_ids)
+    try:
+        n = jax.lax.axis_size(axis_name)
+    except NameError:
+        raise ValueError(
+            f"ring_flash_attention must run inside jax.shard_map over a mesh with axis "
+            f"axis_name={axis_name!r}; for global arrays use sharded_flash_attention"
+        ) from None
+    m = subchunks(layout)
+    for name, seq in (("seq_q", shapes.seq_q), ("seq_k", shapes.seq_k)):
+        if seq % m:
+            raise ValueError(
+                f"layout={layout!r} splits each shard into {m} pieces; the local {name}={seq} "
+                f"must be divisible by {m}"
+            )
+    piece = dataclasses.replace(shapes, seq_q=shapes.seq_q // m, seq_k=shapes.seq_k // m)
+    cfg = make_config(
+        piece,
+        causal=causal,
+        window=window,
+        scale=scale,
+        softcap=softcap,
+        block_q=block_q,
+        block_k=block_k,
+        dropout_rate=0.0,
+        default_block_q=_config.DEFAULT_BLOCK_Q,
+        default_block_k=_config.DEFAULT_BLOCK_K,
+    )
+    ring = _Ring(axis_name=axis_name, num_devices=n, layout=layout, base=cfg)
+    return _ring_internal(ring, q, k, v, masks, shapes)
+
+
+def _ring_internal(ring: _Ring, q, k, v, masks: Masks, shapes: Shapes):
+    cfg, m = ring.base, ring.pieces
+    pad_q = -(-cfg.seq_q // cfg.block_q) * cfg.block_q
+    pad_k = -(-cfg.seq_k // cfg.block_k) * cfg.block_k
+    q, k, v = split_heads(q, k, v, shapes)
+    qs, ks, vs = _pieces(q, 3, m, pad_q), _pieces(k, 2, m, pad_k), _pieces(v, 2, m, pad_k)
+    key_mask = _pieces(masks.key_mask, -1, m, pad_k)
+    q_ids = _pieces(masks.q_segment_ids, -2, m, pad_q)
+    kv_ids = _pieces(masks.kv_segment_ids, -1, m, pad_k)
+    piece_masks = tuple(
+        Masks(key_mask=key_mask[i], q_segment_ids=q_ids[i], kv_segment_ids=kv_ids[i])
+        for i in range(m)
+    )
+    out, lse = cast(tuple[Any, Any], _ring_attention(ring, qs, ks, vs, piece_masks))
+    out = jnp.concatenate([o[..., : cfg.seq_q, :] for o in out], axis=3)
+    lse = jnp.concatenate([x[..., : cfg.seq_q] for x in lse], axis=3)
+    return merge_heads(out, lse, shapes)

@@ -1,0 +1,57 @@
+"""jaxtyping aliases shared across the package: the one place that names the axes.
+
+A name binds once per checked call, so the same name on two arguments is a shape check
+between them. The public axes are:
+
+- `*batch`: any leading axes before the heads axis (none too);
+- `heads`, `kv_heads`: query heads and key/value heads (`kv_heads` divides `heads`);
+- `seq_q`, `seq_k`: query and key sequence lengths;
+- `dim`, `dim_v`: the query/key head dim and the value head dim.
+
+q may also be a bare `(seq_q, dim)` matrix with no leading axes at all, so each of q, k,
+v, out and lse is a union of that form and the batched one. jaxtyping rolls back the
+axes bound by a failed alternative, so names still bind consistently across arguments.
+What a shape string cannot say (`kv_heads` divides `heads`; q and k have the same
+number of axes; mask leading axes broadcast against q's) is checked in `_validation`,
+which also runs when jaxtyping's checks are switched off.
+"""
+
+from typing import TypeAlias
+
+import numpy as np
+from jaxtyping import Array, Bool, Float, Integer
+
+# Public entry points accept NumPy arrays as well as JAX arrays (converted with
+# `jnp.asarray`); they are what users have at hand in notebooks and data loaders.
+# Python scalars and lists are not accepted: they carry no shape to check.
+AnyArray: TypeAlias = Array | np.ndarray
+
+Query: TypeAlias = (
+    Float[AnyArray, "*batch heads seq_q dim"] | Float[AnyArray, "seq_q dim"]
+)
+Key: TypeAlias = (
+    Float[AnyArray, "*batch kv_heads seq_k dim"] | Float[AnyArray, "seq_k dim"]
+)
+Value: TypeAlias = (
+    Float[AnyArray, "*batch kv_heads seq_k dim_v"] | Float[AnyArray, "seq_k dim_v"]
+)
+
+# Masks and ids: the trailing axes are named; how the leading axes broadcast against
+# q's (the heads axis may be left out) is checked by `_layout.mask_to_internal`.
+# Boolean, or integer where non-zero attends; a float mask is an error.
+KeyMask: TypeAlias = Bool[AnyArray, "... seq_k"] | Integer[AnyArray, "... seq_k"]
+PairMask: TypeAlias = (
+    Bool[AnyArray, "... #seq_q #seq_k"] | Integer[AnyArray, "... #seq_q #seq_k"]
+)
+QuerySegmentIds: TypeAlias = Integer[AnyArray, "... seq_q"]
+KeySegmentIds: TypeAlias = Integer[AnyArray, "... seq_k"]
+
+Output: TypeAlias = (
+    Float[Array, "*batch heads seq_q dim_v"] | Float[Array, "seq_q dim_v"]
+)
+LSE: TypeAlias = Float[Array, "*batch heads seq_q"] | Float[Array, " seq_q"]
+
+# The window's sides: an int `w` for `(w, w)`, or `(left, right)`; None is unbounded.
+WindowLike: TypeAlias = int | tuple[int | None, int | None] | None
+# beartype does not apply PEP 484's int-is-a-float rule, so say it explicitly.
+RealNumber: TypeAlias = float | int

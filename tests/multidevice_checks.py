@@ -1,0 +1,204 @@
+"""Multi-device checks, run by `test_ring.py` in a subprocess with 4 host CPU devices.
+
+XLA reads `--xla_force_host_platform_device_count` once, when jax starts, and the main
+pytest process has imported jax already; hence a fresh process. Each check prints one
+JSON line `{"check": name, ...measurements}`; the assertions live in `test_ring.py`.
+
+Run by hand: `XLA_FLAGS=--xla_force_host_platform_device_count=4 python
+tests/multidevice_checks.py [check ...]`.
+"""
+
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+import eqx_flash
+
+P = PartitionSpec
+B, H, KH, D = 2, 4, 2, 16
+
+
+def _inputs(seq_q: int, seq_k: int, seed: int = 0):
+    keys = jax.random.split(jax.random.key(seed), 8)
+    q = jax.random.normal(keys[0], (B, H, seq_q, D))
+    k = jax.random.normal(keys[1], (B, KH, seq_k, D))
+    v = jax.random.normal(keys[2], (B, KH, seq_k, D))
+    mask = jax.random.uniform(keys[3], (B, seq_k)) > 0.2
+    # Three documents per row, boundaries not on chunk edges; segment 0 of row 1 starts late.
+    q_ids = jnp.asarray(np.stack([np.arange(seq_q) * 3 // seq_q, np.arange(seq_q) * 3 // seq_q]))
+    kv_ids = jnp.asarray(np.stack([np.arange(seq_k) * 3 // seq_k, np.arange(seq_k) * 3 // seq_k]))
+    d_out = jax.random.normal(keys[4], (B, H, seq_q, D))
+    d_lse = jax.random.normal(keys[5], (B, H, seq_q))
+    return (q, k, v), mask, q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32), (d_out, d_lse)
+
+
+def _value_and_vjp(fn, qkv, cotangent):
+    (out, lse), pull = jax.vjp(fn, *qkv)
+    return (out, lse, *pull(cotangent))
+
+
+def _errors(expected, got) -> dict:
+    names = ("out", "lse", "dq", "dk", "dv")
+    result = {}
+    for name, a, b in zip(names, expected, got, strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        same_inf = bool(np.array_equal(np.isneginf(a), np.isneginf(b)))
+        with np.errstate(invalid="ignore"):  # -inf - -inf where both rows are empty
+            finite = np.where(np.isinf(a) | np.isinf(b), 0.0, a - b)
+        result[name] = float(np.max(np.abs(finite))) if same_inf else float("inf")
+        result[name + "_finite"] = bool(np.all(np.isfinite(b[~np.isneginf(b)])))
+    return result
+
+
+def _compare(ring_fn, seq_q: int, seq_k: int, **kwargs) -> dict:
+    """Single-device `flash_attention` against `ring_fn(q, k, v, mask, q_ids, kv_ids)`."""
+    qkv, mask, q_ids, kv_ids, cot = _inputs(seq_q, seq_k)
+
+    def single(q, k, v):
+        return eqx_flash.flash_attention(
+            q, k, v, mask, q_segment_ids=q_ids, kv_segment_ids=kv_ids, **kwargs
+        )
+
+    def ring(q, k, v):
+        return ring_fn(q, k, v, mask, q_ids, kv_ids)
+
+    expected = jax.jit(lambda *a: _value_and_vjp(single, a, cot))(*qkv)
+    got = jax.jit(lambda *a: _value_and_vjp(ring, a, cot))(*qkv)
+    result = _errors(expected, got)
+    result["rows_without_keys"] = int(np.sum(np.isneginf(np.asarray(expected[1]))))
+    return result
+
+
+def _ring_in_shard_map(mesh, layout, block, **kwargs):
+    """`ring_flash_attention` called by hand, the way a user of the low-level API would."""
+    n = mesh.shape["seq"]
+
+    def arrange(x, axis):
+        return eqx_flash.to_ring_layout(x, num_devices=n, layout=layout, axis=axis)
+
+    def local(q, k, v, mask, q_ids, kv_ids):
+        return eqx_flash.ring_flash_attention(
+            q, k, v, mask, axis_name="seq", layout=layout, q_segment_ids=q_ids,
+            kv_segment_ids=kv_ids, block_q=block, block_k=block, **kwargs,
+        )
+
+    seq, ids = P(None, None, "seq"), P(None, "seq")
+    mapped = jax.shard_map(
+        local, mesh=mesh, in_specs=(seq, seq, seq, ids, ids, ids), out_specs=(seq, seq),
+        check_vma=False,
+    )
+
+    def fn(q, k, v, mask, q_ids, kv_ids):
+        args = [arrange(x, -2) for x in (q, k, v)] + [arrange(x, -1) for x in (mask, q_ids, kv_ids)]
+        out, lse = mapped(*args)
+        return (
+            eqx_flash.from_ring_layout(out, num_devices=n, layout=layout, axis=-2),
+            eqx_flash.from_ring_layout(lse, num_devices=n, layout=layout, axis=-1),
+        )
+
+    return fn
+
+
+def _seq_mesh(n: int) -> Mesh:
+    return Mesh(np.array(jax.devices()[:n]), ("seq",))
+
+
+def check_ring_full():
+    """Non-causal, 4 devices, chunks of 24 with blocks of 16 (not a multiple)."""
+    return _compare(_ring_in_shard_map(_seq_mesh(4), "contiguous", 16), 96, 96)
+
+
+def check_ring_causal_cross():
+    """Causal with seq_q != seq_k (bottom-right aligned on the global sequence)."""
+    fn = _ring_in_shard_map(_seq_mesh(4), "contiguous", 16, causal=True)
+    return _compare(fn, 64, 96, causal=True)
+
+
+def check_ring_striped_causal():
+    fn = _ring_in_shard_map(_seq_mesh(4), "striped", 16, causal=True)
+    return _compare(fn, 96, 96, causal=True)
+
+
+def check_sharded_zigzag_two_axes():
+    """Causal, zigzag by default, batch over a `data` axis and sequence over `seq`."""
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "seq"))
+
+    def fn(q, k, v, mask, q_ids, kv_ids):
+        return eqx_flash.sharded_flash_attention(
+            q, k, v, mask, mesh=mesh, seq_axis="seq", batch_axis="data", causal=True,
+            q_segment_ids=q_ids, kv_segment_ids=kv_ids, block_q=16, block_k=16,
+        )
+
+    return _compare(fn, 96, 96, causal=True)
+
+
+def check_sharded_window_heads():
+    """A window (zigzag), heads over a `model` axis and sequence over `seq`."""
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("model", "seq"))
+
+    def fn(q, k, v, mask, q_ids, kv_ids):
+        return eqx_flash.sharded_flash_attention(
+            q, k, v, mask, mesh=mesh, seq_axis="seq", head_axis="model", window=(20, 5),
+            q_segment_ids=q_ids, kv_segment_ids=kv_ids, block_q=16, block_k=16,
+        )
+
+    return _compare(fn, 96, 96, window=(20, 5))
+
+
+def check_memory():
+    """Per-device compiled temp memory of forward+backward for 1, 2 and 4 devices."""
+    seq, dim = 16384, 64  # large enough that O(seq) buffers dominate
+    qkv = [jax.ShapeDtypeStruct((1, 2, seq, dim), jnp.float32) for _ in range(3)]
+    result = {}
+    for n in (1, 2, 4):
+        mesh = _seq_mesh(n)
+
+        def loss(q, k, v, mesh=mesh):
+            out, _ = eqx_flash.sharded_flash_attention(
+                q, k, v, mesh=mesh, seq_axis="seq", causal=True, block_q=256, block_k=256
+            )
+            return out.sum()
+
+        compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*qkv).compile()
+        memory = compiled.memory_analysis()
+        assert memory is not None
+        result[f"temp_{n}"] = int(memory.temp_size_in_bytes)
+    return result
+
+
+def check_flash_sharded_inputs():
+    """Plain `flash_attention` under jit with batch- and heads-sharded inputs."""
+    qkv, mask, q_ids, kv_ids, cot = _inputs(64, 64)
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
+    shard = NamedSharding(mesh, P("data", "model"))
+    mask_shard = NamedSharding(mesh, P("data"))
+
+    def fn(q, k, v, mask):
+        return _value_and_vjp(
+            lambda q, k, v: eqx_flash.flash_attention(q, k, v, mask, block_q=16, block_k=16),
+            (q, k, v), cot,
+        )
+
+    expected = jax.jit(fn)(*qkv, mask)
+    placed = [jax.device_put(x, shard) for x in qkv]
+    jitted = jax.jit(fn)
+    got = jitted(*placed, jax.device_put(mask, mask_shard))
+    result = _errors(expected, got)
+    hlo = jitted.lower(*placed, jax.device_put(mask, mask_shard)).compile().as_text()
+    assert hlo is not None
+    result["all_gathers"] = hlo.count("all-gather-start") + hlo.count(" all-gather(")
+    result["out_sharding"] = str(got[0].sharding.spec)
+    return result
+
+
+CHECKS = {name[len("check_"):]: fn for name, fn in globals().items() if name.startswith("check_")}
+
+
+if __name__ == "__main__":
+    assert len(jax.devices()) >= 4, "set XLA_FLAGS=--xla_force_host_platform_device_count=4"
+    for name in sys.argv[1:] or CHECKS:
+        print(json.dumps({"check": name, **CHECKS[name]()}), flush=True)

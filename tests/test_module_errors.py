@@ -1,0 +1,129 @@
+"""Bad module construction and bad module calls raise errors naming the argument.
+
+Written against the API of the modules issue: `FlashMultiheadAttention(num_heads,
+query_size, ..., *, key, num_kv_heads=...)` called as `mha(query, key_, value, mask)`, and
+`FlashAttention(causal=..., ...)` called as `attn(q, k, v, mask)` on unbatched inputs.
+"""
+
+import re
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jaxtyping
+import pytest
+
+import eqx_flash
+
+NUM_HEADS, QUERY, KEY, VALUE, Q_SEQ, KV_SEQ = 4, 16, 12, 10, 6, 9
+ERRORS = (TypeError, ValueError)
+
+
+def _assert_names(error: pytest.ExceptionInfo, argument: str) -> None:
+    message = str(error.value)
+    if isinstance(error.value, jaxtyping.TypeCheckError):
+        assert f"parameter '{argument}'" in message, message
+    else:
+        assert re.search(rf"(?<![\w.]){re.escape(argument)}(?!\w)", message), message
+
+
+def _mha(**kwargs: Any):
+    options: dict[str, Any] = dict(key_size=KEY, value_size=VALUE, key=jax.random.key(0))
+    options.update(kwargs)
+    return eqx_flash.FlashMultiheadAttention(NUM_HEADS, QUERY, **options)
+
+
+@pytest.mark.parametrize(
+    "kwargs, argument",
+    [
+        ({"num_kv_heads": 3}, "num_kv_heads"),
+        ({"num_kv_heads": 0}, "num_kv_heads"),
+        ({"num_kv_heads": -2}, "num_kv_heads"),
+        ({"num_heads": 0}, "num_heads"),
+        ({"query_size": 0}, "query_size"),
+        ({"key_size": -1}, "key_size"),
+        ({"value_size": 0}, "value_size"),
+        ({"output_size": 0}, "output_size"),
+        ({"qk_size": 0}, "qk_size"),
+        ({"vo_size": -3}, "vo_size"),
+        ({"block_q": 0}, "block_q"),
+        ({"block_k": -1}, "block_k"),
+        ({"window": -1}, "window"),
+        ({"softcap": 0.0}, "softcap"),
+    ],
+)
+def test_construction(kwargs: dict[str, Any], argument: str):
+    options: dict[str, Any] = dict(
+        num_heads=NUM_HEADS, query_size=QUERY, key_size=KEY, value_size=VALUE,
+        key=jax.random.key(0),
+    )
+    options.update(kwargs)
+    with pytest.raises(ERRORS) as error:
+        eqx_flash.FlashMultiheadAttention(**options)
+    _assert_names(error, argument)
+
+
+def _inputs() -> dict[str, Any]:
+    return dict(
+        query=jnp.zeros((Q_SEQ, QUERY)),
+        key_=jnp.zeros((KV_SEQ, KEY)),
+        value=jnp.zeros((KV_SEQ, VALUE)),
+    )
+
+
+CALL_CASES = [
+    ({"query": jnp.zeros((Q_SEQ, QUERY + 1))}, "query"),
+    ({"key_": jnp.zeros((KV_SEQ, KEY + 1))}, "key_"),
+    ({"value": jnp.zeros((KV_SEQ, VALUE - 1))}, "value"),
+    ({"value": jnp.zeros((KV_SEQ + 1, VALUE))}, "value"),
+    ({"query": jnp.zeros((2, Q_SEQ, QUERY))}, "query"),  # batched: users vmap instead
+    ({"mask": jnp.ones((Q_SEQ, KV_SEQ + 1), bool)}, "mask"),
+    ({"mask": jnp.ones((KV_SEQ,))}, "mask"),  # a float mask
+]
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "filter_jit"])
+@pytest.mark.parametrize("change, argument", CALL_CASES)
+def test_multihead_call(change: dict[str, Any], argument: str, jit: bool):
+    mha = _mha(num_kv_heads=2)
+    inputs = {**_inputs(), **change}
+    call = eqx.filter_jit(mha) if jit else mha
+    with pytest.raises(ERRORS) as error:
+        call(inputs["query"], inputs["key_"], inputs["value"], inputs.get("mask"))
+    _assert_names(error, argument)
+
+
+def test_multihead_good_call():
+    """The baseline the cases perturb is valid."""
+    mha = _mha(num_kv_heads=2)
+    inputs = _inputs()
+    out = mha(inputs["query"], inputs["key_"], inputs["value"], jnp.ones((KV_SEQ,), bool))
+    assert out.shape == (Q_SEQ, QUERY)
+
+
+@pytest.mark.parametrize(
+    "shapes, argument",
+    [
+        ({"k": (2, KV_SEQ, 9)}, "k"),  # head dim differs from q's
+        ({"v": (2, KV_SEQ + 1, 8)}, "v"),  # k and v sequence lengths differ
+        ({"k": (3, KV_SEQ, 8), "v": (3, KV_SEQ, 8)}, "k"),  # 3 kv heads for 4 heads
+    ],
+)
+def test_flash_attention_module_call(shapes: dict[str, tuple[int, ...]], argument: str):
+    attn = eqx_flash.FlashAttention(causal=True)
+    arrays = dict(q=(NUM_HEADS, Q_SEQ, 8), k=(2, KV_SEQ, 8), v=(2, KV_SEQ, 8))
+    arrays.update(shapes)
+    with pytest.raises(ERRORS) as error:
+        attn(*(jnp.zeros(arrays[n]) for n in ("q", "k", "v")))
+    _assert_names(error, argument)
+
+
+@pytest.mark.parametrize(
+    "kwargs, argument",
+    [({"block_q": 0}, "block_q"), ({"window": (-1, 0)}, "window"), ({"softcap": -1.0}, "softcap")],
+)
+def test_flash_attention_module_construction(kwargs: dict[str, Any], argument: str):
+    with pytest.raises(ERRORS) as error:
+        eqx_flash.FlashAttention(**kwargs)
+    _assert_names(error, argument)

@@ -1,0 +1,391 @@
+"""FlashAttention and FlashMultiheadAttention against eqx.nn.MultiheadAttention."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eqx_flash import FlashAttention, FlashMultiheadAttention, flash_attention, plain_attention
+
+SEQ_Q, SEQ_K = 12, 20
+
+
+def _assert_tree_close(a, b, rtol=1e-5, atol=1e-5):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(la, lb, strict=True):
+        np.testing.assert_allclose(x, y, rtol=rtol, atol=atol)
+
+
+def _params(m):
+    return eqx.filter(m, eqx.is_inexact_array)
+
+
+def _value_and_grads(model, query, key_, value, cotangent, **call):
+    """Output, and gradients of <out, cotangent> for the parameters and the inputs."""
+
+    @eqx.filter_value_and_grad
+    def f(args):
+        m, q, k, v = args
+        return jnp.sum(m(q, k, v, **call) * cotangent)
+
+    return f((model, query, key_, value))
+
+
+def _inputs(key, query_size=16, key_size=16, value_size=16, seq_q=SEQ_Q, seq_k=SEQ_K):
+    kq, kk, kv = jax.random.split(key, 3)
+    return (
+        jax.random.normal(kq, (seq_q, query_size)),
+        jax.random.normal(kk, (seq_k, key_size)),
+        jax.random.normal(kv, (seq_k, value_size)),
+    )
+
+
+# --- initialisation and conversion ---
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"key_size": 12, "value_size": 10, "output_size": 6, "qk_size": 5, "vo_size": 3,
+         "use_query_bias": True, "use_key_bias": True, "use_value_bias": True,
+         "use_output_bias": True},
+    ],
+)
+def test_same_initial_weights(kwargs):
+    key = jax.random.key(42)
+    mha = eqx.nn.MultiheadAttention(4, 16, **kwargs, dropout_p=0.1, key=key)
+    ours = FlashMultiheadAttention(4, 16, **kwargs, dropout_p=0.1, key=key)
+    for name in ("query_proj", "key_proj", "value_proj", "output_proj", "dropout"):
+        a, b = getattr(mha, name), getattr(ours, name)
+        assert jax.tree.structure(a) == jax.tree.structure(b)
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+            np.testing.assert_array_equal(x, y)
+    for name in ("num_heads", "query_size", "key_size", "value_size", "output_size",
+                 "qk_size", "vo_size", "use_query_bias", "use_key_bias", "use_value_bias",
+                 "use_output_bias"):
+        assert getattr(mha, name) == getattr(ours, name)
+    assert ours.num_kv_heads == 4
+
+
+def test_dtype_float64_params():
+    with jax.enable_x64(True):
+        ours = FlashMultiheadAttention(2, 8, dtype=jnp.float64, key=jax.random.key(0))
+        mha = eqx.nn.MultiheadAttention(2, 8, dtype=jnp.float64, key=jax.random.key(0))
+        assert ours.query_proj.weight.dtype == jnp.float64
+        x = jax.random.normal(jax.random.key(1), (6, 8), jnp.float64)
+        np.testing.assert_allclose(ours(x, x, x), mha(x, x, x), rtol=1e-12, atol=1e-12)
+
+
+def test_from_eqx_keeps_weights_and_dropout():
+    mha = eqx.nn.MultiheadAttention(4, 16, 12, 10, 8, use_key_bias=True, dropout_p=0.3,
+                                    inference=True, key=jax.random.key(1))
+    ours = FlashMultiheadAttention.from_eqx(mha, causal=True, block_q=4)
+    for name in ("query_proj", "key_proj", "value_proj", "output_proj"):
+        a, b = getattr(ours, name), getattr(mha, name)
+        assert jax.tree.structure(a) == jax.tree.structure(b)
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+            assert x is y  # the very same arrays, not copies
+    assert ours.dropout.p == 0.3 and ours.dropout.inference is True
+    assert (ours.key_size, ours.value_size, ours.output_size) == (12, 10, 8)
+    assert ours.causal and ours.block_q == 4 and ours.num_kv_heads == 4
+    q, k, v = _inputs(jax.random.key(2), 16, 12, 10, seq_k=SEQ_Q)
+    causal = jnp.tril(jnp.ones((SEQ_Q, SEQ_Q), bool))
+    np.testing.assert_allclose(ours(q, k, v), mha(q, k, v, causal), rtol=1e-5, atol=1e-6)
+
+
+def test_from_eqx_rejects_unknown_options():
+    mha = eqx.nn.MultiheadAttention(2, 8, key=jax.random.key(1))
+    with pytest.raises(TypeError, match="num_kv_heads"):
+        FlashMultiheadAttention.from_eqx(mha, num_kv_heads=1)
+
+
+# --- parity with eqx.nn.MultiheadAttention ---
+
+
+def _mask(kind, key, heads=4):
+    if kind is None:
+        return None, None
+    if kind == "padding":
+        pad = jnp.arange(SEQ_K) < 15
+        return pad, jnp.broadcast_to(pad, (SEQ_Q, SEQ_K))
+    shape = (SEQ_Q, SEQ_K) if kind == "dense" else (heads, SEQ_Q, SEQ_K)
+    m = jax.random.bernoulli(key, 0.6, shape)
+    m = m.at[..., 0].set(True)  # no fully masked rows here (see the dedicated test)
+    return m, m
+
+
+@pytest.mark.parametrize("mask_kind", [None, "padding", "dense", "per_head"])
+def test_matches_equinox(mask_kind, getkey):
+    sizes = {"key_size": 12, "value_size": 10, "output_size": 6, "qk_size": 5, "vo_size": 3,
+             "use_query_bias": True, "use_value_bias": True, "use_output_bias": True}
+    model_key = getkey()
+    mha = eqx.nn.MultiheadAttention(4, 16, **sizes, key=model_key)
+    ours = FlashMultiheadAttention(4, 16, **sizes, block_q=8, block_k=8, key=model_key)
+    q, k, v = _inputs(getkey(), 16, 12, 10)
+    ours_mask, eqx_mask = _mask(mask_kind, getkey())
+    cot = jax.random.normal(getkey(), (SEQ_Q, 6))
+    val_e, grads_e = _value_and_grads(mha, q, k, v, cot, mask=eqx_mask)
+    val_o, grads_o = _value_and_grads(ours, q, k, v, cot, mask=ours_mask)
+    np.testing.assert_allclose(val_o, val_e, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ours(q, k, v, ours_mask), mha(q, k, v, eqx_mask),
+                               rtol=1e-5, atol=1e-6)
+    # Same field names, so the gradient pytrees line up leaf for leaf.
+    (gm_e, *gx_e), (gm_o, *gx_o) = grads_e, grads_o
+    for name in ("query_proj", "key_proj", "value_proj", "output_proj"):
+        _assert_tree_close(getattr(gm_o, name), getattr(gm_e, name))
+    _assert_tree_close(gx_o, gx_e)
+
+
+def _rope_heads(rope):
+    def process_heads(q, k, v):
+        q = jax.vmap(rope, in_axes=1, out_axes=1)(q)
+        k = jax.vmap(rope, in_axes=1, out_axes=1)(k)
+        return q, k, v
+
+    return process_heads
+
+
+def test_rotary_process_heads(getkey):
+    model_key = getkey()
+    mha = eqx.nn.MultiheadAttention(4, 16, key=model_key)
+    ours = FlashMultiheadAttention(4, 16, causal=True, key=model_key)
+    rope = eqx.nn.RotaryPositionalEmbedding(4)
+    x, _, _ = _inputs(getkey())
+    causal = jnp.tril(jnp.ones((SEQ_Q, SEQ_Q), bool))
+    cot = jax.random.normal(getkey(), (SEQ_Q, 16))
+    val_e, grads_e = _value_and_grads(mha, x, x, x, cot, mask=causal,
+                                      process_heads=_rope_heads(rope))
+    val_o, grads_o = _value_and_grads(ours, x, x, x, cot, process_heads=_rope_heads(rope))
+    np.testing.assert_allclose(val_o, val_e, rtol=1e-5)
+    _assert_tree_close(grads_o[1:], grads_e[1:])
+    _assert_tree_close(_params(grads_o[0]).query_proj, _params(grads_e[0]).query_proj)
+    # Rotary embeddings actually changed something.
+    assert not np.allclose(ours(x, x, x, process_heads=_rope_heads(rope)), ours(x, x, x))
+
+
+def test_process_heads_must_keep_shapes(getkey):
+    ours = FlashMultiheadAttention(4, 16, key=getkey())
+    x, _, _ = _inputs(getkey())
+    with pytest.raises(ValueError, match="process_heads"):
+        ours(x, x, x, process_heads=lambda q, k, v: (q[:-1], k[:-1], v[:-1]))
+
+
+def test_fully_masked_row_differs_from_equinox(getkey):
+    model_key = getkey()
+    mha = eqx.nn.MultiheadAttention(2, 8, use_output_bias=True, key=model_key)
+    ours = FlashMultiheadAttention(2, 8, use_output_bias=True, key=model_key)
+    x = jax.random.normal(getkey(), (6, 8))
+    mask = jnp.ones((6, 6), bool).at[2].set(False)
+    out_o, out_e = ours(x, x, x, mask), mha(x, x, x, mask)
+    rows = jnp.arange(6) != 2
+    np.testing.assert_allclose(out_o[rows], out_e[rows], rtol=1e-5, atol=1e-6)
+    # Equinox attends uniformly (the mean of the values); we attend to nothing: 0 heads,
+    # so the output is just the output projection's bias.
+    assert ours.output_proj.bias is not None
+    np.testing.assert_allclose(out_o[2], ours.output_proj.bias, rtol=1e-6)
+    mean_v = jax.vmap(mha.value_proj)(x).mean(axis=0)
+    np.testing.assert_allclose(out_e[2], mha.output_proj(mean_v), rtol=1e-5, atol=1e-6)
+    grads = eqx.filter_grad(lambda m: jnp.sum(m(x, x, x, mask) ** 2))(ours)
+    assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
+
+
+def test_options_match_dense_masks(getkey):
+    model_key = getkey()
+    mha = eqx.nn.MultiheadAttention(4, 16, key=model_key)
+    ours = FlashMultiheadAttention(4, 16, causal=True, window=(3, None), softcap=None,
+                                   key=model_key)
+    q, k, v = _inputs(getkey())
+    i = jnp.arange(SEQ_Q)[:, None] + SEQ_K - SEQ_Q
+    j = jnp.arange(SEQ_K)[None, :]
+    dense = (j <= i) & (j >= i - 3)
+    np.testing.assert_allclose(ours(q, k, v), mha(q, k, v, dense), rtol=1e-5, atol=1e-6)
+
+
+# --- batching and transformations ---
+
+
+def test_vmap_with_per_example_padding(getkey):
+    model_key = getkey()
+    mha = eqx.nn.MultiheadAttention(4, 16, key=model_key)
+    ours = FlashMultiheadAttention(4, 16, key=model_key)
+    batch = 3
+    x = jax.random.normal(getkey(), (batch, SEQ_K, 16))
+    lengths = jnp.array([SEQ_K, 13, 5])
+    pad = jnp.arange(SEQ_K)[None, :] < lengths[:, None]
+    out = jax.vmap(ours)(x, x, x, pad)
+    for b in range(batch):
+        dense = jnp.broadcast_to(pad[b], (SEQ_K, SEQ_K))
+        np.testing.assert_allclose(out[b], mha(x[b], x[b], x[b], dense), rtol=1e-5, atol=1e-6)
+
+
+def test_filter_jit_and_grad(getkey):
+    ours = FlashMultiheadAttention(4, 16, causal=True, dropout_p=0.2, key=getkey())
+    x = jax.random.normal(getkey(), (2, SEQ_Q, 16))
+    keys = jax.random.split(getkey(), 2)
+
+    @eqx.filter_jit
+    def step(model, x, keys):
+        def loss(m):
+            return jnp.mean(jax.vmap(lambda xi, ki: m(xi, xi, xi, key=ki))(x, keys) ** 2)
+
+        value, grads = eqx.filter_value_and_grad(loss)(model)
+        return value, eqx.apply_updates(model, jax.tree.map(lambda g: -0.1 * g, grads))
+
+    value, new = step(ours, x, keys)
+    value2, _ = step(new, x, keys)
+    assert np.isfinite(value) and np.isfinite(value2)
+    assert not np.allclose(new.query_proj.weight, ours.query_proj.weight)
+
+
+def test_gqa_equals_repeated_kv_projections(getkey):
+    heads, kv_heads, qk, vo = 4, 2, 3, 5
+    ours = FlashMultiheadAttention(heads, 16, qk_size=qk, vo_size=vo, num_kv_heads=kv_heads,
+                                   use_key_bias=True, key=getkey())
+    assert ours.key_proj.weight.shape == (kv_heads * qk, 16)
+    groups = heads // kv_heads
+
+    def repeat(linear, size):
+        # Query head h uses kv head h // groups.
+        new = eqx.nn.Linear(16, heads * size, use_bias=linear.use_bias, key=getkey())
+        w = jnp.repeat(linear.weight.reshape(kv_heads, size, -1), groups, axis=0)
+        new = eqx.tree_at(lambda lin: lin.weight, new, w.reshape(heads * size, -1))
+        if linear.bias is not None:
+            b = jnp.repeat(linear.bias.reshape(kv_heads, size), groups, axis=0)
+            new = eqx.tree_at(lambda lin: lin.bias, new, b.reshape(-1))
+        return new
+
+    mha = eqx.nn.MultiheadAttention(heads, 16, qk_size=qk, vo_size=vo, use_key_bias=True,
+                                    key=getkey())
+    mha = eqx.tree_at(
+        lambda m: (m.query_proj, m.key_proj, m.value_proj, m.output_proj),
+        mha,
+        (ours.query_proj, repeat(ours.key_proj, qk), repeat(ours.value_proj, vo),
+         ours.output_proj),
+    )
+    q, k, v = _inputs(getkey())
+    mask = jax.random.bernoulli(getkey(), 0.7, (heads, SEQ_Q, SEQ_K)).at[..., 0].set(True)
+    np.testing.assert_allclose(ours(q, k, v, mask), mha(q, k, v, mask), rtol=1e-5, atol=1e-6)
+    mqa = FlashMultiheadAttention(heads, 16, num_kv_heads=1, key=getkey())
+    assert mqa(q, k, v).shape == (SEQ_Q, 16)
+
+
+# --- dropout and the inference switch ---
+
+
+def test_dropout_matches_plain_attention(getkey):
+    model_key, drop_key = getkey(), getkey()
+    ours = FlashMultiheadAttention(4, 16, dropout_p=0.3, num_kv_heads=2, key=model_key)
+    q, k, v = _inputs(getkey())
+    out = ours(q, k, v, key=drop_key)
+    heads = [
+        jax.vmap(p)(x).reshape(x.shape[0], n, -1).swapaxes(0, 1)
+        for p, x, n in ((ours.query_proj, q, 4), (ours.key_proj, k, 2), (ours.value_proj, v, 2))
+    ]
+    ref, _ = plain_attention(*heads, dropout_rate=0.3, key=drop_key)
+    expected = jax.vmap(ours.output_proj)(ref.swapaxes(0, 1).reshape(SEQ_Q, -1))
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(out, ours(q, k, v, key=drop_key))
+    assert not np.allclose(out, ours(q, k, v, key=getkey()))
+
+
+def test_inference_switch(getkey):
+    model_key = getkey()
+    ours = FlashMultiheadAttention(4, 16, dropout_p=0.5, key=model_key)
+    clean = FlashMultiheadAttention(4, 16, key=model_key)
+    q, k, v = _inputs(getkey())
+    expected = clean(q, k, v)
+    drop_key = getkey()
+    assert not np.allclose(ours(q, k, v, key=drop_key), expected)
+    np.testing.assert_allclose(ours(q, k, v, key=drop_key, inference=True), expected)
+    inf = eqx.nn.inference_mode(ours)
+    assert inf.dropout.inference is True
+    np.testing.assert_allclose(inf(q, k, v), expected)  # no key needed
+    train = eqx.nn.inference_mode(inf, value=False)
+    np.testing.assert_array_equal(train(q, k, v, key=drop_key), ours(q, k, v, key=drop_key))
+    with pytest.raises(RuntimeError, match="key"):
+        ours(q, k, v)
+    np.testing.assert_allclose(ours(q, k, v, key=drop_key, inference=False),
+                               ours(q, k, v, key=drop_key))
+
+
+# --- FlashAttention ---
+
+
+def test_flash_attention_module(getkey):
+    kq, kk, kv = jax.random.split(getkey(), 3)
+    q = jax.random.normal(kq, (4, SEQ_Q, 8))
+    k = jax.random.normal(kk, (2, SEQ_K, 8))
+    v = jax.random.normal(kv, (2, SEQ_K, 6))
+    attn = FlashAttention(causal=True, window=[4, None], softcap=5.0, scale=0.3, block_q=4,
+                          block_k=8, dropout_p=0.25)
+    assert attn.window == (4, None)
+    opts = {"causal": True, "window": (4, None), "softcap": 5.0, "scale": 0.3}
+    pad = jnp.arange(SEQ_K) < 17
+    dense = jax.random.bernoulli(getkey(), 0.8, (SEQ_Q, SEQ_K))
+    per_head = jax.random.bernoulli(getkey(), 0.8, (4, SEQ_Q, SEQ_K))
+    drop_key = getkey()
+    np.testing.assert_allclose(
+        attn(q, k, v, pad, key=drop_key),
+        plain_attention(q, k, v, pad, dropout_rate=0.25, key=drop_key, **opts)[0],
+        rtol=1e-5, atol=1e-6,
+    )
+    for m in (dense, per_head):
+        np.testing.assert_allclose(
+            attn(q, k, v, m, inference=True),
+            plain_attention(q, k, v, attn_mask=m, **opts)[0], rtol=1e-5, atol=1e-6,
+        )
+    out = eqx.nn.inference_mode(attn)(q, k, v)
+    expected = flash_attention(q, k, v, block_q=4, block_k=8, **opts)[0]
+    np.testing.assert_array_equal(out, expected)
+    with pytest.raises(RuntimeError, match="key"):
+        attn(q, k, v)
+    assert attn(q, k, v, key=drop_key).shape == (4, SEQ_Q, 6)
+
+
+def test_shape_errors(getkey):
+    ours = FlashMultiheadAttention(2, 8, key=getkey())
+    x = jnp.ones((5, 8))
+    with pytest.raises(Exception, match="seq_k|shape"):
+        ours(x, x, jnp.ones((4, 8)))
+    with pytest.raises(Exception, match="query_size|shape"):
+        ours(jnp.ones((5, 7)), x, x)
+
+
+# --- field validation ---
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"num_kv_heads": 3}, "num_kv_heads"),
+        ({"num_kv_heads": 0}, "num_kv_heads"),
+        ({"dropout_p": 1.0}, "dropout_p"),
+        ({"dropout_p": -0.1}, "dropout_p"),
+        ({"window": -1}, "window"),
+        ({"softcap": 0.0}, "softcap"),
+        ({"block_q": 0}, "block_q"),
+        ({"block_k": 2.5}, "block_k"),
+    ],
+)
+def test_mha_field_validation(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        FlashMultiheadAttention(4, 16, key=jax.random.key(0), **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field", "error"),
+    [
+        ({"causal": 1}, "causal", TypeError),
+        ({"window": (1, 2, 3)}, "window", ValueError),
+        ({"softcap": -2.0}, "softcap", ValueError),
+        ({"scale": float("inf")}, "scale", ValueError),
+        ({"block_q": -4}, "block_q", ValueError),
+        ({"dropout_p": 1.5}, "dropout_p", ValueError),
+    ],
+)
+def test_flash_attention_field_validation(kwargs, field, error):
+    with pytest.raises(error, match=field):
+        FlashAttention(**kwargs)

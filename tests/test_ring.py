@@ -1,0 +1,180 @@
+"""Ring (context-parallel) attention and sequence sharding.
+
+The multi-device checks need several host devices, which XLA only creates if
+`--xla_force_host_platform_device_count` is set before jax starts; this process has
+jax already, so they run once in a subprocess (`multidevice_checks.py`) and each test
+below asserts on its measurements. Layout helpers and the one-device mesh run here.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from jax.sharding import Mesh
+
+import eqx_flash
+
+HERE = pathlib.Path(__file__).parent
+TOL = 2e-5
+
+
+@pytest.fixture(scope="module")
+def multidevice():
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+    ).strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "multidevice_checks.py")],
+        env=env, capture_output=True, text=True, timeout=900,
+    )
+    if proc.returncode != 0:
+        pytest.fail(f"multidevice_checks.py failed:\n{proc.stdout}\n{proc.stderr[-6000:]}")
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            record = json.loads(line)
+            results[record.pop("check")] = record
+    return results
+
+
+RING_CHECKS = [
+    "ring_full",
+    "ring_causal_cross",
+    "ring_striped_causal",
+    "sharded_zigzag_two_axes",
+    "sharded_window_heads",
+    "flash_sharded_inputs",
+]
+
+
+@pytest.mark.parametrize("check", RING_CHECKS)
+def test_matches_single_device(multidevice, check):
+    """out, lse, dq, dk, dv equal single-device flash_attention (GQA, key mask, segment
+    ids, chunks not a multiple of the blocks); -inf rows in the same places."""
+    result = multidevice[check]
+    for name in ("out", "lse", "dq", "dk", "dv"):
+        assert result[name] < TOL, (name, result)
+        assert result[name + "_finite"], (name, result)
+
+
+def test_some_rows_see_no_key(multidevice):
+    # The causal checks include empty rows, so the -inf handling of the merge is exercised.
+    assert multidevice["sharded_zigzag_two_axes"]["rows_without_keys"] > 0
+
+
+def test_sharded_inputs_need_no_gather(multidevice):
+    result = multidevice["flash_sharded_inputs"]
+    assert result["all_gathers"] == 0, result
+    assert result["out_sharding"] == "P('data', 'model')", result
+
+
+def test_memory_shrinks_with_devices(multidevice):
+    temp = multidevice["memory"]
+    assert temp["temp_4"] < 0.6 * temp["temp_2"], temp
+    assert temp["temp_4"] < temp["temp_1"], temp
+
+
+@given(
+    st.sampled_from(["contiguous", "zigzag", "striped"]),
+    st.integers(1, 5),
+    st.integers(1, 4),
+)
+def test_layout_round_trip(layout, n, per_chunk):
+    seq = n * per_chunk * (2 if layout == "zigzag" else 1)
+    order = eqx_flash.ring_order(seq, n, layout)
+    assert sorted(order.tolist()) == list(range(seq))
+    x = np.arange(2 * seq).reshape(2, seq)
+    there = eqx_flash.to_ring_layout(x, num_devices=n, layout=layout, axis=-1)
+    np.testing.assert_array_equal(np.asarray(there), x[:, order])
+    back = eqx_flash.from_ring_layout(there, num_devices=n, layout=layout, axis=-1)
+    np.testing.assert_array_equal(np.asarray(back), x)
+
+
+def test_zigzag_order():
+    # Device 0 gets the first and last chunk, device 1 the middle two.
+    np.testing.assert_array_equal(eqx_flash.ring_order(8, 2, "zigzag"), [0, 1, 6, 7, 2, 3, 4, 5])
+    np.testing.assert_array_equal(eqx_flash.ring_order(6, 3, "striped"), [0, 3, 1, 4, 2, 5])
+
+
+def test_layout_errors():
+    with pytest.raises(ValueError, match="divisible by 4"):
+        eqx_flash.ring_order(10, 2, "zigzag")
+    # Under the jaxtyping test hook beartype rejects the Literal first; unchecked, our own
+    # ValueError does. Either names the argument.
+    with pytest.raises((ValueError, TypeError), match="layout"):
+        eqx_flash.ring_order(8, 2, "spiral")  # type: ignore[arg-type]
+
+
+def test_one_device_mesh(getkey):
+    """`sharded_flash_attention` over a mesh of the one device here equals flash_attention."""
+    mesh = Mesh(np.array(jax.devices()[:1]), ("seq",))
+    q = jax.random.normal(getkey(), (2, 4, 40, 8))
+    k = jax.random.normal(getkey(), (2, 2, 40, 8))
+    v = jax.random.normal(getkey(), (2, 2, 40, 8))
+
+    def loss(fn):
+        def f(q, k, v):
+            out, lse = fn(q, k, v)
+            return jnp.sum(out * out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
+        return jax.value_and_grad(f, argnums=(0, 1, 2))(q, k, v)
+
+    expected = loss(lambda q, k, v: eqx_flash.flash_attention(q, k, v, causal=True))
+    got = loss(
+        lambda q, k, v: eqx_flash.sharded_flash_attention(
+            q, k, v, mesh=mesh, seq_axis="seq", causal=True, block_q=16, block_k=16
+        )
+    )
+    for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(got), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=TOL, rtol=TOL)
+
+
+def test_sharded_errors():
+    mesh = Mesh(np.array(jax.devices()[:1]), ("seq",))
+    x = jnp.zeros((2, 8, 4))
+    with pytest.raises(ValueError, match="not an axis of the mesh"):
+        eqx_flash.sharded_flash_attention(x, x, x, mesh=mesh, seq_axis="sequence")
+    with pytest.raises(ValueError, match="needs a batch axis"):
+        eqx_flash.sharded_flash_attention(x, x, x, mesh=mesh, seq_axis="seq", batch_axis="seq")
+
+
+def test_ring_outside_shard_map():
+    x = jnp.zeros((2, 8, 4))
+    with pytest.raises(ValueError, match="inside jax.shard_map"):
+        eqx_flash.ring_flash_attention(x, x, x, axis_name="seq")
+
+
+def test_causal_work_is_balanced():
+    """Kernel calls per device over a causal ring: zigzag and striped give every device
+    the same work (fully masked chunk pairs skipped), contiguous does not."""
+    from eqx_flash._config import KernelConfig, Window
+    from eqx_flash._ring import _plan, _Ring
+
+    n, chunk = 4, 32
+
+    def calls(layout: str) -> list[int]:
+        base = KernelConfig(chunk, chunk, 16, 16, Window(None, 0), 1.0)
+        plan = _plan(_Ring("seq", n, layout, base))
+        return [
+            sum(
+                variants[table[a, b]] is not None
+                for variants, table in plan.values()
+                for b in range(n)
+            )
+            for a in range(n)
+        ]
+
+    assert calls("contiguous") == [1, 2, 3, 4]
+    assert calls("zigzag") == [2 * n + 1] * n
+    assert calls("striped") == [n] * n

@@ -1,0 +1,136 @@
+"""Documented semantics: fully masked rows, dtypes, lse gradients, independent references."""
+
+import flash_attention_jax as seed
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_close, assert_lse_close, outputs_and_grads, qkv
+
+from eqx_flash import flash_attention, plain_attention, value_and_grad_difference
+
+
+@pytest.mark.parametrize("fn", [flash_attention, plain_attention], ids=["flash", "plain"])
+def test_fully_masked_rows_give_zero_and_neg_inf(fn, getkey):
+    q, k, v = qkv(getkey(), (2, 2, 24, 8), (2, 2, 24, 8))
+    mask = jnp.ones((2, 24), bool).at[1].set(False)  # batch 1 sees no key at all
+    segments_q = jnp.zeros((2, 24), jnp.int32).at[0, :5].set(7)  # id 7 exists in no key
+    segments_k = jnp.zeros((2, 24), jnp.int32)
+    kwargs = dict(q_segment_ids=segments_q, kv_segment_ids=segments_k)
+    if fn is flash_attention:
+        kwargs.update(block_q=8, block_k=8)
+
+    def loss(q, k, v):
+        out, lse = fn(q, k, v, mask, **kwargs)
+        return jnp.sum(out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0)), (out, lse)
+
+    grads, (out, lse) = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    np.testing.assert_array_equal(out[1], 0.0)
+    np.testing.assert_array_equal(out[0, :, :5], 0.0)
+    assert bool(jnp.isneginf(lse[1]).all()) and bool(jnp.isneginf(lse[0, :, :5]).all())
+    assert bool(jnp.isfinite(lse[0, :, 5:]).all())
+    for g in grads:
+        assert bool(jnp.isfinite(g).all())
+    np.testing.assert_array_equal(grads[0][1], 0.0)  # dq of rows with no key
+    np.testing.assert_array_equal(grads[0][0, :, :5], 0.0)
+    np.testing.assert_array_equal(grads[1][1], 0.0)  # nothing flows into unattended keys
+    np.testing.assert_array_equal(grads[2][1], 0.0)
+
+
+def test_causal_with_more_queries_than_keys_masks_early_rows(getkey):
+    q, k, v = qkv(getkey(), (1, 10, 8), (1, 4, 8))
+    out, lse = flash_attention(q, k, v, causal=True)
+    # Bottom-right alignment: query i sees keys j <= i - 6, so rows 0..5 see nothing.
+    np.testing.assert_array_equal(out[0, :6], 0.0)
+    assert bool(jnp.isneginf(lse[0, :6]).all()) and bool(jnp.isfinite(lse[0, 6:]).all())
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_half_precision_keeps_dtype_and_accuracy(dtype, getkey):
+    q, k, v = qkv(getkey(), (2, 2, 70, 16), (2, 2, 90, 16), dtype=dtype)
+    mask = jax.random.bernoulli(getkey(), 0.8, (2, 90))
+    wkey = getkey()
+    (out, lse), grads = outputs_and_grads(flash_attention, q, k, v, wkey, mask=mask,
+                                          causal=True, block_q=32, block_k=32)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    (ref_out, ref_lse), ref_grads = outputs_and_grads(plain_attention, *f32, wkey, mask=mask,
+                                                      causal=True)
+    assert out.dtype == dtype and lse.dtype == jnp.float32
+    assert all(g.dtype == dtype for g in grads)
+    assert_close(out, ref_out, dtype=dtype)
+    assert_lse_close(lse, ref_lse, dtype=dtype)
+    for g, r in zip(grads, ref_grads, strict=True):
+        assert_close(g, r, dtype=dtype, scale=4.0)
+
+
+def test_float64_is_exact_to_float64_roundoff(getkey):
+    with jax.enable_x64(True):
+        q, k, v = qkv(getkey(), (2, 33, 8), (2, 47, 8), dtype=jnp.float64)
+        wkey = getkey()
+        (out, lse), grads = outputs_and_grads(flash_attention, q, k, v, wkey, causal=True,
+                                              block_q=8, block_k=16)
+        (ref_out, ref_lse), ref_grads = outputs_and_grads(plain_attention, q, k, v, wkey,
+                                                          causal=True)
+        assert out.dtype == jnp.float64 and lse.dtype == jnp.float64
+        assert_close(out, ref_out, dtype=jnp.float64)
+        assert_lse_close(lse, ref_lse, dtype=jnp.float64)
+        for g, r in zip(grads, ref_grads, strict=True):
+            assert g.dtype == jnp.float64
+            assert_close(g, r, dtype=jnp.float64, scale=10.0)
+
+
+def test_lse_gradient_only(getkey):
+    """A loss of lse alone (a z-loss) differentiates as d lse / d logits = softmax."""
+    q, k, v = qkv(getkey(), (2, 40, 16), (2, 50, 16))
+
+    def z_loss(fn, **kw):
+        return lambda q, k: jnp.sum(fn(q, k, v, causal=True, **kw)[1] ** 2)
+
+    g = jax.grad(z_loss(flash_attention, block_q=16, block_k=16), argnums=(0, 1))(q, k)
+    r = jax.grad(z_loss(plain_attention), argnums=(0, 1))(q, k)
+    for a, b in zip(g, r, strict=True):
+        assert_close(a, b, scale=10.0)
+
+
+def _to_bthd(x):
+    return jnp.swapaxes(x, -2, -3)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_matches_jax_nn_dot_product_attention(causal, kv_heads, getkey):
+    q, k, v = qkv(getkey(), (2, 4, 64, 16), (2, kv_heads, 64, 16))
+    mask = jax.random.bernoulli(getkey(), 0.8, (2, 64)).at[:, 0].set(True)
+    out, _ = flash_attention(q, k, v, mask, causal=causal, block_q=16, block_k=32)
+    ref = jax.nn.dot_product_attention(
+        _to_bthd(q), _to_bthd(k), _to_bthd(v), mask=mask[:, None, None, :], is_causal=causal,
+        implementation="xla",
+    )
+    assert_close(out, _to_bthd(ref))
+
+
+def test_matches_seed_package(getkey):
+    """The seed's flash_attention and causal_flash_attention, at shapes where they work."""
+    q, k, v = qkv(getkey(), (2, 2, 128, 32), (2, 2, 128, 32))
+    mask = jax.random.bernoulli(getkey(), 0.7, (2, 128)).at[:, 0].set(True)
+    out, _ = flash_attention(q, k, v, mask)
+    assert_close(out, seed.flash_attention(q, k, v, mask), scale=5.0)
+    out, _ = flash_attention(q, k, v, causal=True)
+    assert_close(out, seed.causal_flash_attention(q, k, v), scale=5.0)
+    # And the seed's own sanity check, run on our function against its reference.
+    diff, grads = value_and_grad_difference(seed.plain_attention, flash_attention, batch=1,
+                                            heads=2, q_seq_len=64, k_seq_len=96, dim=16)
+    assert float(diff) < 1e-5 and max(float(g) for g in grads) < 1e-4
+
+
+def test_value_and_grad_difference_detects_a_difference():
+    def wrong(q, k, v, mask):
+        return flash_attention(q, k, v, mask, scale=0.9 / q.shape[-1] ** 0.5)
+
+    diff, grads = value_and_grad_difference(plain_attention, wrong, batch=1, heads=1,
+                                            q_seq_len=32, k_seq_len=32, dim=16)
+    assert float(diff) > 1e-3 and min(float(g) for g in grads) > 1e-4
+    diff, grads = value_and_grad_difference(plain_attention, flash_attention, batch=1, heads=2,
+                                            q_seq_len=32, k_seq_len=48, dim=16, kv_heads=1,
+                                            causal=True)
+    assert float(diff) < 1e-5 and max(float(g) for g in grads) < 1e-4
