@@ -5,7 +5,6 @@ import math
 import subprocess
 import sys
 
-import jax
 import jax.numpy as jnp
 import pytest
 from hypothesis import HealthCheck, Phase, find, settings
@@ -69,13 +68,7 @@ def empty_rows_average(q, k, v, **kwargs):
     return jnp.where(jnp.isneginf(lse)[..., None], mean_v.astype(out.dtype), out), lse
 
 
-# float32 (and float64 under x64) only: bfloat16/float16 hit a strict-promotion bug in the
-# kernel (tests/test_properties.py::test_matches_reference_low_precision).
-DTYPES = [jnp.float32, jnp.float64] if jax.config.read("jax_enable_x64") else [jnp.float32]
-
-
-def problems(**restrictions):
-    return attention_inputs(**{"dtypes": DTYPES, **restrictions})
+problems = attention_inputs
 
 
 # Each bug with the strategy restricted to the feature it breaks.
