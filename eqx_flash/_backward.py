@@ -84,13 +84,14 @@ def backward(
 
                 return _blocks.skip_if_empty(mask, has_data, update, lambda c: c, carry)
 
-            init = (d_q, jnp.zeros((bk, dim), stat), jnp.zeros((bk, dim_v), stat))
+            # `*_like`: under shard_map the state must vary across devices as k and v do.
+            init = (d_q, jnp.zeros_like(k_blk, stat), jnp.zeros_like(v_blk, stat))
             d_q, dk_b, dv_b = _blocks.over_band(bands, j, step, init)
             return d_q, (dk_b.astype(k.dtype), dv_b.astype(v.dtype))
 
         num_k = seq_k_pad // bk
         d_q, (d_k, d_v) = jax.lax.scan(
-            key_block, jnp.zeros(q.shape, stat), jnp.arange(num_k, dtype=jnp.int32)
+            key_block, jnp.zeros_like(q, stat), jnp.arange(num_k, dtype=jnp.int32)
         )
         d_q = d_q * jnp.asarray(cfg.scale, stat)
         return d_q.astype(q.dtype), d_k.reshape(seq_k_pad, dim), d_v.reshape(seq_k_pad, dim_v)

@@ -61,10 +61,11 @@ def forward(
 
                 return _blocks.skip_if_empty(mask, has_data, update, lambda c: c, carry)
 
+            # `*_like(q_blk)`: under shard_map the state must vary across devices as q does.
             init = (
-                jnp.zeros((groups, bq, dim_v), stat),
-                jnp.full((groups, bq), floor, stat),
-                jnp.zeros((groups, bq), stat),
+                jnp.zeros_like(q_blk, stat, shape=(groups, bq, dim_v)),
+                jnp.full_like(q_blk, floor, stat, shape=(groups, bq)),
+                jnp.zeros_like(q_blk, stat, shape=(groups, bq)),
             )
             acc, row_max, row_sum = _blocks.over_band(bands, i, step, init)
             attended = row_sum > 0

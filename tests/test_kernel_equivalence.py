@@ -8,17 +8,6 @@ import pytest
 
 from eqx_flash import flash_attention, plain_attention
 
-# `_masking.data_mask` compares the (already bool) key mask with `!= 0`, which strict dtype
-# promotion (conftest) rejects, and `plain_attention` ANDs a 2-d positional mask with 5-d
-# data masks; both reported, so these tests run with standard promotion rules.
-pytestmark = pytest.mark.usefixtures("standard_promotion")
-
-
-@pytest.fixture
-def standard_promotion():
-    with jax.numpy_dtype_promotion("standard"), jax.numpy_rank_promotion("allow"):
-        yield
-
 # (name, seq_q, seq_k, heads, kv_heads, keywords, blocks)
 CASES = [
     ("dense", 100, 130, 2, 2, {}, (32, 48)),
