@@ -33,7 +33,15 @@ def per_head(
     arrays: tuple[Array, ...],
 ) -> Any:
     """Map `fn(head, per_head_arrays)` over the `(batch, kv_heads)` axes of `arrays`
-    (all have them first) with `lax.map`; results are stacked back on those axes."""
+    (all have them first); results are stacked back on those axes.
+
+    On one device, a `lax.map` loop: 2-d block matmuls, the fastest form on CPU. With
+    several devices the batch or heads axis may be sharded, and a loop over a sharded axis
+    would make XLA gather it onto every device; there `vmap` keeps the axes parallel so
+    the SPMD partitioner can split them.
+    """
+    if jax.device_count() > 1:
+        return _vmapped_per_head(fn, masks, arrays)
     batch, kv_heads = arrays[0].shape[:2]
     groups = arrays[0].shape[2] if arrays[0].ndim == 5 else 1
     flat = tuple(x.reshape(batch * kv_heads, *x.shape[2:]) for x in arrays)
@@ -56,6 +64,38 @@ def per_head(
 
     out = jax.lax.map(one, (jnp.arange(batch * kv_heads, dtype=jnp.int32), flat))
     return jax.tree.map(lambda y: y.reshape(batch, kv_heads, *y.shape[1:]), out)
+
+
+def _vmapped_per_head(
+    fn: Callable[[Head, tuple[Array, ...]], Any], masks: Masks, arrays: tuple[Array, ...]
+) -> Any:
+    batch, kv_heads = arrays[0].shape[:2]
+    groups = arrays[0].shape[2] if arrays[0].ndim == 5 else 1
+
+    def split(masks: Masks) -> tuple[Masks, Masks]:
+        """Masks with a size-1 leading axis are shared: squeeze it, don't map over it."""
+        mapped = Masks(*(None if m is None or m.shape[0] == 1 else m for m in masks))
+        shared = Masks(*(m[0] if m is not None and m.shape[0] == 1 else None for m in masks))
+        return mapped, shared
+
+    def merge(mapped: Masks, shared: Masks) -> Masks:
+        return Masks(*(a if a is not None else b for a, b in zip(mapped, shared, strict=True)))
+
+    def one_head(b, h, xs, masks_h):
+        n = b * kv_heads + h
+        heads = (n * groups + jnp.arange(groups, dtype=jnp.int32)).reshape(groups, 1, 1)
+        return fn(Head(masks_h, heads), xs)
+
+    def one_batch(b, xs, masks_b):
+        mapped, shared = split(masks_b)
+        return jax.vmap(
+            lambda h, xs, m: one_head(b, h, xs, merge(m, shared)), in_axes=(0, 0, 0)
+        )(jnp.arange(kv_heads, dtype=jnp.int32), xs, mapped)
+
+    mapped, shared = split(masks)
+    return jax.vmap(lambda b, xs, m: one_batch(b, xs, merge(m, shared)), in_axes=(0, 0, 0))(
+        jnp.arange(batch, dtype=jnp.int32), arrays, mapped
+    )
 
 
 def rows(x: Array, start: Array, size: int, axis: int) -> Array:

@@ -233,6 +233,8 @@ def _sharded(q, k, v, extras, *, mesh, seq_axis, batch_axis, head_axis, layout, 
         mesh=mesh,
         in_specs=(*qkv_specs, extra_specs),
         out_specs=(qkv_specs[0], lse_spec),
+        # The blockwise kernels create unsharded accumulators; see ring_flash_attention.
+        check_vma=False,
     )
     if in_map:
         return ring(q, k, v, extras)

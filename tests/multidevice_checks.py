@@ -89,6 +89,7 @@ def _ring_in_shard_map(mesh, layout, block, **kwargs):
     seq, ids = P(None, None, "seq"), P(None, "seq")
     mapped = jax.shard_map(
         local, mesh=mesh, in_specs=(seq, seq, seq, ids, ids, ids), out_specs=(seq, seq),
+        check_vma=False,
     )
 
     def fn(q, k, v, mask, q_ids, kv_ids):
