@@ -87,6 +87,8 @@ def backward(
             # `*_like`: under shard_map the state must vary across devices as k and v do.
             init = (d_q, jnp.zeros_like(k_blk, stat), jnp.zeros_like(v_blk, stat))
             d_q, dk_b, dv_b = _blocks.over_band(bands, j, step, init)
+            if not _blocks.folds_scale(q.dtype):
+                dk_b = dk_b * jnp.asarray(cfg.scale, stat)  # q_s was left unscaled
             return d_q, (dk_b.astype(k.dtype), dv_b.astype(v.dtype))
 
         num_k = seq_k_pad // bk

@@ -103,14 +103,16 @@ def rows(x: Array, start: Array, size: int, axis: int) -> Array:
 
 
 def logits(cfg: KernelConfig, q_blk: Array, k_blk: Array) -> tuple[Array, Array | None]:
-    """Logits `(groups, block_q, block_k)` in the statistics dtype, from queries already
-    multiplied by the scale (one pass over q instead of one over every logit).
+    """Logits `(groups, block_q, block_k)` in the statistics dtype, from queries passed
+    through `scaled` (so the scale is applied once, wherever `scaled` put it).
 
     Returns `(s, tanh)`: the capped logits and, with a softcap, the tanh the backward
     pass needs for the cap's derivative.
     """
     stat = stat_dtype(q_blk.dtype)
     s = matmul(q_blk, k_blk, "qd,kd->qk", stat)
+    if not folds_scale(q_blk.dtype):
+        s = s * jnp.asarray(cfg.scale, stat)
     if cfg.softcap is None:
         return s, None
     cap = jnp.asarray(cfg.softcap, stat)
@@ -137,8 +139,18 @@ def matmul_t(a: Array, b: Array, dtype: jnp.dtype) -> Array:
                       b.reshape(groups * rows_, b.shape[2]), preferred_element_type=dtype)
 
 
+def folds_scale(dtype: jnp.dtype) -> bool:
+    """Whether the scale is folded into q (one pass over q instead of one per logit).
+
+    Only for float32/float64: in bfloat16/float16, `q * scale` would round every query
+    and shift the lse by up to one low-precision step, so those scale the float32 logits.
+    """
+    return jnp.dtype(dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.float64))
+
+
 def scaled(cfg: KernelConfig, q: Array) -> Array:
-    return q * jnp.asarray(cfg.scale, q.dtype)
+    """q ready for `logits`: multiplied by the scale where `folds_scale` says so."""
+    return q * jnp.asarray(cfg.scale, q.dtype) if folds_scale(q.dtype) else q
 
 
 def allowed(

@@ -371,7 +371,9 @@ def test_shape_errors(getkey):
     ],
 )
 def test_mha_field_validation(kwargs, field):
-    with pytest.raises(ValueError, match=field):
+    # A wrong type may be caught first by the jaxtyping/beartype check (a TypeError that
+    # names the parameter); a wrong value by __check_init__'s ValueError.
+    with pytest.raises((ValueError, TypeError), match=field):
         FlashMultiheadAttention(4, 16, key=jax.random.key(0), **kwargs)
 
 
@@ -387,5 +389,6 @@ def test_mha_field_validation(kwargs, field):
     ],
 )
 def test_flash_attention_field_validation(kwargs, field, error):
-    with pytest.raises(error, match=field):
+    # The jaxtyping/beartype check on __init__ may reject a wrong type first (a TypeError).
+    with pytest.raises((error, TypeError), match=field):
         FlashAttention(**kwargs)
