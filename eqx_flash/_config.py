@@ -6,9 +6,23 @@ import math
 import jax.numpy as jnp
 
 # Tuned on a 2-core x86-64 CPU: benchmarks/tune_blocks.py, result in benchmarks/tune_blocks.md.
-# A 512 x 256 float32 logit block (512 KiB) stays in L2; larger key blocks spill and lose 2-6x.
+# Key blocks of 256 keep a float32 logit block in L2 (1024-key blocks spill and lose ~2x);
+# smaller blocks lose ~1.6x to per-step loop overhead. Without a causal/window band, taller
+# query blocks amortise that overhead further; with one, 512 skips more of the masked area.
 DEFAULT_BLOCK_Q = 512
+DEFAULT_BLOCK_Q_UNBANDED = 1024
 DEFAULT_BLOCK_K = 256
+
+
+def default_blocks(window: "Window", groups: int = 1) -> tuple[int, int]:
+    """Tuned default `(block_q, block_k)` for a call with this causal/window band.
+
+    The kernels fold a kv head's `groups` query heads into the rows of one block, so the
+    logit block is `(groups * block_q, block_k)`: `block_q` shrinks with `groups` to keep
+    it the tuned size (at least 64 rows per head).
+    """
+    block_q = DEFAULT_BLOCK_Q_UNBANDED if window.is_unbounded else DEFAULT_BLOCK_Q
+    return max(block_q // groups, 64), DEFAULT_BLOCK_K
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,6 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, PRNGKeyArray, jaxtyped
 
-from . import _config
 from ._backward import backward
 from ._config import KernelConfig
 from ._forward import forward
@@ -141,8 +140,6 @@ def flash_attention(
         block_q=block_q,
         block_k=block_k,
         dropout_rate=rate,
-        default_block_q=_config.DEFAULT_BLOCK_Q,
-        default_block_k=_config.DEFAULT_BLOCK_K,
     )
     seed = None if key is None else dropout_seed(key)
     return _blockwise(q, k, v, masks, seed, cfg=cfg, shapes=shapes)

@@ -22,7 +22,6 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike
 
-from . import _config
 from ._backward import backward
 from ._config import KernelConfig, Window
 from ._forward import forward
@@ -348,8 +347,6 @@ def ring_flash_attention(
         block_q=block_q,
         block_k=block_k,
         dropout_rate=0.0,
-        default_block_q=_config.DEFAULT_BLOCK_Q,
-        default_block_k=_config.DEFAULT_BLOCK_K,
     )
     ring = _Ring(axis_name=axis_name, num_devices=n, layout=layout, base=cfg)
     return _ring_internal(ring, q, k, v, masks, shapes)

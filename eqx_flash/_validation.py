@@ -12,7 +12,14 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike
 
-from ._config import KernelConfig, Window, check_block_size, choose_block, make_window
+from ._config import (
+    KernelConfig,
+    Window,
+    check_block_size,
+    choose_block,
+    default_blocks,
+    make_window,
+)
 from ._layout import Shapes, mask_to_internal, shapes_of
 from ._masking import Masks
 
@@ -138,9 +145,11 @@ def make_config(
     block_q: Any,
     block_k: Any,
     dropout_rate: float,
-    default_block_q: int,
-    default_block_k: int,
+    default_block_q: int | None = None,
+    default_block_k: int | None = None,
 ) -> KernelConfig:
+    """Validate the static arguments into a `KernelConfig`. Block sizes default to the
+    tuned `_config.default_blocks` unless `default_block_q`/`_k` are given."""
     if not isinstance(causal, bool | np.bool_):
         raise TypeError(f"causal must be a bool; got causal={causal!r}")
     win: Window = make_window(window, bool(causal))
@@ -155,6 +164,9 @@ def make_config(
     block_k = None if block_k is None else int(block_k)
     check_block_size("block_q", block_q)
     check_block_size("block_k", block_k)
+    tuned_q, tuned_k = default_blocks(win, s.groups)
+    default_block_q = tuned_q if default_block_q is None else default_block_q
+    default_block_k = tuned_k if default_block_k is None else default_block_k
     return KernelConfig(
         seq_q=s.seq_q,
         seq_k=s.seq_k,
