@@ -23,7 +23,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike
 
 from ._backward import backward
-from ._config import KernelConfig, Window
+from ._config import KernelConfig, Window, stat_dtype
 from ._forward import forward
 from ._layout import Shapes, merge_heads, split_heads
 from ._masking import Masks
@@ -182,7 +182,7 @@ def _ring_forward(ring: _Ring, q, k, v, masks):
     """`q`, `k`, `v`, `masks`: tuples over pieces of padded internal-layout arrays."""
     n, m, plan = ring.num_devices, ring.pieces, _plan(ring)
     me = jax.lax.axis_index(ring.axis_name)
-    stat = jnp.promote_types(q[0].dtype, jnp.float32)
+    stat = stat_dtype(q[0].dtype)
     out = tuple(jnp.zeros((*x.shape[:-1], v[0].shape[-1]), stat) for x in q)
     lse = tuple(jnp.full(x.shape[:-1], -jnp.inf, stat) for x in q)
     out, lse = _vary((out, lse), (q, k, v, masks))
@@ -224,7 +224,7 @@ def _ring_attention_bwd(ring, residuals, cotangents):
     d_out, d_lse = cotangents
     n, m, plan = ring.num_devices, ring.pieces, _plan(ring)
     me = jax.lax.axis_index(ring.axis_name)
-    stat = jnp.promote_types(q[0].dtype, jnp.float32)
+    stat = stat_dtype(q[0].dtype)
     d_q = tuple(jnp.zeros(x.shape, stat) for x in q)
     d_kv = (tuple(jnp.zeros(x.shape, stat) for x in k), tuple(jnp.zeros(x.shape, stat) for x in v))
     d_q, d_kv = _vary((d_q, d_kv), (q, k, v, masks, out, lse, d_out, d_lse))
