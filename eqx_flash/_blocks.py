@@ -153,14 +153,20 @@ def scaled(cfg: KernelConfig, q: Array) -> Array:
     return q * jnp.asarray(cfg.scale, q.dtype) if folds_scale(q.dtype) else q
 
 
+def positions(cfg: KernelConfig, q_start: Array, k_start: Array) -> tuple[Array, Array]:
+    """Query and key positions of one block, shaped to broadcast against `(g, q, k)`."""
+    q_pos = q_start + jnp.arange(cfg.block_q, dtype=jnp.int32).reshape(1, -1, 1)
+    k_pos = k_start + jnp.arange(cfg.block_k, dtype=jnp.int32).reshape(1, 1, -1)
+    return q_pos, k_pos
+
+
 def allowed(
     cfg: KernelConfig, masks: Masks, q_start: Array, k_start: Array, positional: bool
 ) -> Array | None:
     """Which pairs of the block attend, `(groups|1, block_q|1, block_k)` (None: all)."""
     mask = data_mask(masks, q_start, k_start, cfg.block_q, cfg.block_k)
     if positional:
-        q_pos = q_start + jnp.arange(cfg.block_q, dtype=jnp.int32).reshape(1, -1, 1)
-        k_pos = k_start + jnp.arange(cfg.block_k, dtype=jnp.int32).reshape(1, 1, -1)
+        q_pos, k_pos = positions(cfg, q_start, k_start)
         pos = positional_mask(q_pos, k_pos, cfg.offset, cfg.seq_k, cfg.window)
         mask = pos if mask is None else mask & pos
     return mask
@@ -173,8 +179,7 @@ def dropout_multiplier(
     """`keep / (1 - rate)` for one block (None without dropout)."""
     if seed is None or cfg.dropout_rate == 0.0:
         return None
-    q_pos = q_start + jnp.arange(cfg.block_q, dtype=jnp.int32).reshape(1, -1, 1)
-    k_pos = k_start + jnp.arange(cfg.block_k, dtype=jnp.int32).reshape(1, 1, -1)
+    q_pos, k_pos = positions(cfg, q_start, k_start)
     keep = dropout_keep(seed, head.heads, q_pos, k_pos, cfg.dropout_rate)
     return jnp.where(keep, jnp.asarray(1.0 / (1.0 - cfg.dropout_rate), dtype),
                      jnp.asarray(0.0, dtype))
