@@ -2,9 +2,8 @@
 slicing, logits, masks, and the loop over one band of blocks.
 
 The kernels run one kv head at a time (`per_head`): q `(groups, seq_q, dim)` against k, v
-`(seq_k, dim)`. Every block product is then a plain 2-d matmul, which XLA's CPU backend
-hands to its GEMM with transposed operands in place; with heads as a batch axis it copies
-each transposed logit block first.
+`(seq_k, dim)`. Every block product is then a plain 2-d matmul, the form XLA's CPU GEMM
+runs fastest (batched products of the same size measured 2-3x slower per FLOP).
 """
 
 from collections.abc import Callable
@@ -110,8 +109,20 @@ def logits(cfg: KernelConfig, q_blk: Array, k_blk: Array) -> tuple[Array, Array 
     pass needs for the cap's derivative.
     """
     stat = stat_dtype(q_blk.dtype)
-    s = matmul(q_blk, k_blk, "qd,kd->qk", stat)
-    if not folds_scale(q_blk.dtype):
+    return _scale_and_cap(cfg, matmul(q_blk, k_blk, "qd,kd->qk", stat), q_blk.dtype)
+
+
+def logits_t(cfg: KernelConfig, k_blk: Array, q_cols: Array) -> tuple[Array, Array | None]:
+    """`logits` transposed, `(block_k, groups * block_q)`, from a key block `(block_k, d)`
+    and the transposed query block `(d, groups * block_q)`."""
+    stat = stat_dtype(q_cols.dtype)
+    s = jnp.matmul(k_blk, q_cols, preferred_element_type=stat)
+    return _scale_and_cap(cfg, s, q_cols.dtype)
+
+
+def _scale_and_cap(cfg: KernelConfig, s: Array, dtype: jnp.dtype) -> tuple[Array, Array | None]:
+    stat = s.dtype
+    if not folds_scale(dtype):
         s = s * jnp.asarray(cfg.scale, stat)
     if cfg.softcap is None:
         return s, None
@@ -130,13 +141,6 @@ def matmul(a: Array, b: Array, spec: str, dtype: jnp.dtype) -> Array:
     if spec.endswith("->kd"):
         return out
     return out.reshape(groups, rows_, out.shape[-1])
-
-
-def matmul_t(a: Array, b: Array, dtype: jnp.dtype) -> Array:
-    """`a^T b` over the folded `(groups * block_q)` rows of two `(groups, block_q, x)`."""
-    groups, rows_ = a.shape[:2]
-    return jnp.einsum("qk,qd->kd", a.reshape(groups * rows_, a.shape[2]),
-                      b.reshape(groups * rows_, b.shape[2]), preferred_element_type=dtype)
 
 
 def folds_scale(dtype: jnp.dtype) -> bool:
@@ -172,6 +176,25 @@ def allowed(
     return mask
 
 
+def allowed_t(
+    cfg: KernelConfig, masks: Masks, q_start: Array, k_start: Array, positional: bool,
+    groups: int,
+) -> Array | None:
+    """`allowed` for the transposed logits: `(block_k|1, groups * block_q|1)`."""
+    mask = allowed(cfg, masks, q_start, k_start, positional)
+    return None if mask is None else _transpose_block(mask, groups, cfg.block_q)
+
+
+def _transpose_block(x: Array, groups: int, block_q: int) -> Array:
+    """`(groups|1, block_q|1, block_k|1)` -> `(block_k|1, groups * block_q|1)`: the
+    layout of the transposed logits, broadcasting where the block did."""
+    x = jnp.moveaxis(x, -1, 0)  # (block_k|1, groups|1, block_q|1)
+    if x.shape[1:] == (1, 1):
+        return x.reshape(x.shape[0], 1)
+    x = jnp.broadcast_to(x, (x.shape[0], groups, block_q))
+    return x.reshape(x.shape[0], groups * block_q)
+
+
 def dropout_multiplier(
     cfg: KernelConfig, seed: Array | None, head: Head, q_start: Array, k_start: Array,
     dtype: jnp.dtype,
@@ -185,6 +208,16 @@ def dropout_multiplier(
                      jnp.asarray(0.0, dtype))
 
 
+def dropout_multiplier_t(
+    cfg: KernelConfig, seed: Array | None, head: Head, q_start: Array, k_start: Array,
+    dtype: jnp.dtype,
+) -> Array | None:
+    """`dropout_multiplier` for the transposed logits, `(block_k, groups * block_q)`."""
+    drop = dropout_multiplier(cfg, seed, head, q_start, k_start, dtype)
+    groups = head.heads.shape[0]
+    return None if drop is None else _transpose_block(drop, groups, cfg.block_q)
+
+
 def skip_if_empty(mask: Array | None, has_data_mask: bool, compute, keep, operands):
     """Run `compute` unless the data masks empty the block (then `keep`).
 
@@ -196,20 +229,66 @@ def skip_if_empty(mask: Array | None, has_data_mask: bool, compute, keep, operan
     return jax.lax.cond(jnp.any(mask), compute, keep, operands)
 
 
+def segment_limits(cfg: KernelConfig, masks: Masks, by: str) -> tuple[Array, Array] | None:
+    """Per outer block, the inner blocks `[lo, hi)` that segment ids can let attend
+    (None without segment ids): a run-time refinement of the static band.
+
+    A query block can only share an id with a key block if their id ranges overlap, so
+    with sorted ids (packed documents) each block visits just the blocks of its own
+    documents, and work grows with document sizes rather than with seq². The test is
+    necessary, not sufficient (unsorted ids give a superset); the mask decides exactly.
+    """
+    qs, ks = masks.q_segment_ids, masks.kv_segment_ids
+    if qs is None or ks is None or qs.shape[-2] == 1 or ks.shape[-1] == 1:
+        return None
+
+    def block_ranges(ids: Array, seq: int, block: int) -> tuple[Array, Array]:
+        """(min, max) id of each block, `(num_blocks,)`, ignoring padded positions."""
+        ids = jnp.moveaxis(ids.reshape(ids.shape[0], -1), 1, 0)  # (seq_pad, groups|1)
+        real = (jnp.arange(ids.shape[0]) < seq)[:, None]
+        info = jnp.iinfo(ids.dtype)
+        lo = jnp.where(real, ids, info.max).reshape(-1, block * ids.shape[1]).min(axis=1)
+        hi = jnp.where(real, ids, info.min).reshape(-1, block * ids.shape[1]).max(axis=1)
+        return lo, hi
+
+    q_lo, q_hi = block_ranges(qs, cfg.seq_q, cfg.block_q)
+    k_lo, k_hi = block_ranges(ks, cfg.seq_k, cfg.block_k)
+    overlap = (k_lo[None, :] <= q_hi[:, None]) & (k_hi[None, :] >= q_lo[:, None])
+    if by == "k":
+        overlap = overlap.T
+    n_inner = overlap.shape[1]
+    any_ = overlap.any(axis=1)
+    lo = jnp.where(any_, jnp.argmax(overlap, axis=1), 0).astype(jnp.int32)
+    hi = jnp.where(any_, n_inner - jnp.argmax(overlap[:, ::-1], axis=1), 0).astype(jnp.int32)
+    return lo, hi
+
+
 def over_band(
-    bands: Bands, outer: Array, step: Callable[[Any, Array, bool], Any], carry: Any
+    bands: Bands, outer: Array, step: Callable[[Any, Array, bool], Any], carry: Any,
+    limits: tuple[Array, Array] | None = None,
 ) -> Any:
     """Fold `step(carry, inner_block, positional)` over the inner blocks of one outer
     block: first the whole ones (no positional mask), then the partial ones at either end
-    of the band. Trip counts are dynamic, so every outer block shares one compiled loop."""
+    of the band; all clipped to `limits` (`segment_limits`) if given. Trip counts are
+    dynamic, so every outer block shares one compiled loop."""
     lo, full_lo, full_hi, hi = (jnp.asarray(x)[outer] for x in bands)
+    if limits is None:
+        left, left_end, right, right_end = lo, full_lo, full_hi, hi
+    else:
+        seg_lo, seg_hi = limits[0][outer], limits[1][outer]
+        full_lo, full_hi = jnp.maximum(full_lo, seg_lo), jnp.minimum(full_hi, seg_hi)
+        left, left_end = jnp.maximum(lo, seg_lo), jnp.minimum(jnp.minimum(
+            jnp.asarray(bands.full_lo)[outer], hi), seg_hi)
+        right, right_end = jnp.maximum(jnp.asarray(bands.full_hi)[outer], seg_lo), \
+            jnp.minimum(hi, seg_hi)
     if int(np.max(bands.full_hi - bands.full_lo, initial=0)) > 0:
         carry = jax.lax.fori_loop(full_lo, full_hi, lambda j, c: step(c, j, False), carry)
     if bands.max_partial > 0:
-        n_left = full_lo - lo
+        n_left = jnp.maximum(left_end - left, 0)
+        n_right = jnp.maximum(right_end - right, 0)
 
         def partial(t, c):
-            return step(c, jnp.where(t < n_left, lo + t, full_hi + t - n_left), True)
+            return step(c, jnp.where(t < n_left, left + t, right + t - n_left), True)
 
-        carry = jax.lax.fori_loop(0, n_left + hi - full_hi, partial, carry)
+        carry = jax.lax.fori_loop(0, n_left + n_right, partial, carry)
     return carry

@@ -6,12 +6,13 @@ import math
 import jax.numpy as jnp
 
 # Tuned on a 2-core x86-64 CPU: benchmarks/tune_blocks.py, result in benchmarks/tune_blocks.md.
-# Key blocks of 256 keep a float32 logit block in L2 (1024-key blocks spill and lose ~2x);
-# smaller blocks lose ~1.6x to per-step loop overhead. Without a causal/window band, taller
-# query blocks amortise that overhead further; with one, 512 skips more of the masked area.
+# Long key blocks suit the backward pass (a key block's dk/dv stay in its loop's carry, and
+# each step's products get larger); with a causal/window band, square 512 blocks leave the
+# least of the masked triangle inside diagonal blocks while keeping every product large
+# enough for XLA's CPU GEMM to run near its peak (256 x 256 products run at half speed).
 DEFAULT_BLOCK_Q = 512
-DEFAULT_BLOCK_Q_UNBANDED = 1024
-DEFAULT_BLOCK_K = 256
+DEFAULT_BLOCK_K = 512
+DEFAULT_BLOCK_K_UNBANDED = 1024
 
 
 def default_blocks(window: "Window", groups: int = 1) -> tuple[int, int]:
@@ -21,8 +22,8 @@ def default_blocks(window: "Window", groups: int = 1) -> tuple[int, int]:
     logit block is `(groups * block_q, block_k)`: `block_q` shrinks with `groups` to keep
     it the tuned size (at least 64 rows per head).
     """
-    block_q = DEFAULT_BLOCK_Q_UNBANDED if window.is_unbounded else DEFAULT_BLOCK_Q
-    return max(block_q // groups, 64), DEFAULT_BLOCK_K
+    block_k = DEFAULT_BLOCK_K_UNBANDED if window.is_unbounded else DEFAULT_BLOCK_K
+    return max(DEFAULT_BLOCK_Q // groups, 64), block_k
 
 
 @dataclasses.dataclass(frozen=True)

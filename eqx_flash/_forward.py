@@ -34,6 +34,7 @@ def forward(
     def head_kernel(head: _blocks.Head, arrays):
         q, k, v = arrays  # (g, seq_q, d), (seq_k, d), (seq_k, dv)
         q = _blocks.scaled(cfg, q)
+        limits = _blocks.segment_limits(cfg, head.masks, by="q")
 
         def query_block(_, i):
             q_start = i * bq
@@ -67,7 +68,7 @@ def forward(
                 jnp.full_like(q_blk, floor, stat, shape=(groups, bq)),
                 jnp.zeros_like(q_blk, stat, shape=(groups, bq)),
             )
-            acc, row_max, row_sum = _blocks.over_band(bands, i, step, init)
+            acc, row_max, row_sum = _blocks.over_band(bands, i, step, init, limits)
             attended = row_sum > 0
             safe_sum = jnp.where(attended, row_sum, 1.0)
             out = jnp.where(attended[..., None], acc / safe_sum[..., None], 0.0)

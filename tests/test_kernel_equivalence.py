@@ -18,6 +18,15 @@ CASES = [
     ("window", 130, 130, 2, 2, {"window": (20, 5)}, (32, 32)),
     ("gqa_key_mask", 100, 130, 4, 2, {"key_mask": True}, (32, 48)),
     ("segments_causal", 130, 130, 2, 2, {"segments": True, "causal": True}, (32, 32)),
+    # Segment ids narrow each block's range of partner blocks at run time: sorted ids
+    # (documents), unsorted ones (the range test must stay conservative), per-head ids
+    # under GQA, and ids whose documents differ between queries and keys, with a window.
+    ("segments_sorted", 130, 130, 2, 2, {"segments": "sorted"}, (16, 16)),
+    ("segments_unsorted", 100, 130, 2, 2, {"segments": "unsorted"}, (16, 32)),
+    ("segments_per_head_gqa", 100, 130, 4, 2, {"segments": "per_head", "causal": True},
+     (16, 16)),
+    ("segments_rect_window", 100, 130, 2, 1, {"segments": "rect", "window": (40, 3)},
+     (16, 32)),
     ("softcap_dropout", 100, 130, 2, 2, {"softcap": 5.0, "dropout_rate": 0.3}, (32, 48)),
     ("default_blocks_1500", 1500, 1500, 1, 1, {"causal": True, "key_mask": True},
      (None, None)),
@@ -38,14 +47,36 @@ def _keywords(spec, seq_q, seq_k, key):
         mask = jnp.arange(seq_k)[None, :] < jnp.array([[seq_k - 37], [seq_k // 3]])
         # The second batch row masks a whole block range; the first row's last key too.
         kw["mask"] = mask
-    if kw.pop("segments", False):
+    segments = kw.pop("segments", False)
+    if segments is True:
         ids = (jnp.arange(seq_q) // 45).astype(jnp.int32)
         kw["q_segment_ids"] = jnp.broadcast_to(ids, (2, seq_q))
         kw["kv_segment_ids"] = jnp.broadcast_to((jnp.arange(seq_k) // 45).astype(jnp.int32),
                                                 (2, seq_k))
+    elif segments:
+        kw["q_segment_ids"], kw["kv_segment_ids"] = _segment_ids(segments, seq_q, seq_k)
     if kw.get("dropout_rate"):
         kw["key"] = key
     return kw
+
+
+def _segment_ids(kind, seq_q, seq_k):
+    """Integer ids `(batch, [heads,] seq)`; the two batch rows differ."""
+    qi, ki = jnp.arange(seq_q), jnp.arange(seq_k)
+    if kind == "sorted":  # documents of 20 and of 33 tokens
+        return (jnp.stack([qi // 20, qi // 33]).astype(jnp.int32),
+                jnp.stack([ki // 20, ki // 33]).astype(jnp.int32))
+    if kind == "unsorted":  # ids recur far apart
+        return ((jnp.stack([qi * 7 % 5, qi % 3])).astype(jnp.int32),
+                (jnp.stack([ki * 7 % 5, ki % 3])).astype(jnp.int32))
+    if kind == "per_head":  # (batch, heads=4, seq): each head its own document length
+        lengths = jnp.array([10, 25, 40, 200])[None, :, None]
+        offset = jnp.array([0, 3])[:, None, None]
+        return ((qi[None, None] + offset) // lengths).astype(jnp.int32), \
+            ((ki[None, None] + offset) // (lengths + 5)).astype(jnp.int32)
+    assert kind == "rect"  # keys' documents are longer than the queries'
+    return (jnp.stack([qi // 25, qi // 50]).astype(jnp.int32),
+            jnp.stack([ki // 32, ki // 65]).astype(jnp.int32))
 
 
 def _loss(fn, kw):
@@ -114,3 +145,28 @@ def test_bfloat16(causal):
         assert g.dtype == jnp.bfloat16
         np.testing.assert_allclose(g.astype(jnp.float32), r.astype(jnp.float32),
                                    atol=0.1, rtol=0.1)
+
+
+def test_segment_limits_follow_documents():
+    """With packed documents, each block is scheduled against the blocks of its own
+    documents only, so the work grows with document sizes, not with seq**2."""
+    from eqx_flash._blocks import segment_limits
+    from eqx_flash._config import KernelConfig, Window
+    from eqx_flash._masking import Masks
+
+    seq, block, doc = 256, 16, 64  # 4 documents of 4 blocks each, then a padded block
+    ids = jnp.arange(seq + block) // doc
+    masks = Masks(q_segment_ids=ids.reshape(1, -1, 1), kv_segment_ids=ids.reshape(1, 1, -1))
+    cfg = KernelConfig(seq_q=seq, seq_k=seq, block_q=block, block_k=block, window=Window(),
+                       scale=1.0)
+    for by in ("q", "k"):
+        limits = segment_limits(cfg, masks, by=by)
+        assert limits is not None
+        lo, hi = (np.asarray(x) for x in limits)
+        outer = np.arange(len(lo))
+        document = np.minimum(outer * block, seq - 1) // doc
+        # The padded 17th block holds only padding: its ids are ignored, so it gets nothing.
+        np.testing.assert_array_equal(lo[:-1], (document * doc // block)[:-1])
+        np.testing.assert_array_equal(hi[:-1], ((document + 1) * doc // block)[:-1])
+        assert hi[-1] == lo[-1]
+        assert np.sum(hi - lo) == 4 * 4 * 4  # 4 documents x 4 x 4 block pairs, not 17 x 17
