@@ -3,6 +3,7 @@
 import dataclasses
 import math
 
+import jax
 import jax.numpy as jnp
 
 # Tuned on a 2-core x86-64 CPU: benchmarks/tune_blocks.py, result in benchmarks/tune_blocks.md.
@@ -111,6 +112,20 @@ def choose_block(requested: int | None, default: int, seq: int) -> int:
         return min(requested, seq)
     num_blocks = math.ceil(seq / default)
     return math.ceil(seq / num_blocks)
+
+
+def kernel_dtype(dtype) -> jnp.dtype:
+    """The dtype the kernels compute in for inputs of `dtype`.
+
+    On CPU, bfloat16 and float16 run in float32: x86 and most ARM CPUs have no arithmetic
+    in those types, so XLA would convert the operands of every block product anyway
+    (measured 1.4x slower than float32 on AVX2; `benchmarks/interleaved.py`). Results are
+    rounded to the input dtype at the end, so they are at least as accurate. Accelerators
+    keep the input dtype, where low-precision matmuls are the fast ones.
+    """
+    dtype = jnp.dtype(dtype)
+    low = dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    return jnp.dtype(jnp.float32) if low and jax.default_backend() == "cpu" else dtype
 
 
 def stat_dtype(dtype) -> jnp.dtype:

@@ -13,7 +13,7 @@ from beartype import beartype
 from jaxtyping import Array, PRNGKeyArray, jaxtyped
 
 from ._backward import backward
-from ._config import KernelConfig
+from ._config import KernelConfig, kernel_dtype
 from ._forward import forward
 from ._layout import Shapes, merge_heads, split_heads
 from ._masking import Masks, dropout_seed
@@ -64,7 +64,9 @@ def _pad_axis(x: Array | None, axis: int, size: int) -> Array | None:
 
 @functools.partial(jax.jit, static_argnames=("cfg", "shapes"))
 def _blockwise(q, k, v, masks: Masks, seed, *, cfg: KernelConfig, shapes: Shapes):
-    q, k, v = split_heads(q, k, v, shapes)
+    dtype = q.dtype
+    compute = kernel_dtype(dtype)
+    q, k, v = (x.astype(compute) for x in split_heads(q, k, v, shapes))
     seq_q_pad = -(-cfg.seq_q // cfg.block_q) * cfg.block_q
     seq_k_pad = -(-cfg.seq_k // cfg.block_k) * cfg.block_k
     q = _pad_axis(q, 3, seq_q_pad)
@@ -72,7 +74,7 @@ def _blockwise(q, k, v, masks: Masks, seed, *, cfg: KernelConfig, shapes: Shapes
     masks = Masks._make(_pad_axis(_pad_axis(m, -2, seq_q_pad), -1, seq_k_pad) for m in masks)
     # `functools.partial(jax.custom_vjp, ...)` hides the return type from type checkers.
     out, lse = cast(tuple[Array, Array], _attention(cfg, q, k, v, masks, seed))
-    return merge_heads(out[..., : cfg.seq_q, :], lse[..., : cfg.seq_q], shapes)
+    return merge_heads(out[..., : cfg.seq_q, :].astype(dtype), lse[..., : cfg.seq_q], shapes)
 
 
 @jaxtyped(typechecker=beartype)

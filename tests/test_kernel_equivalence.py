@@ -129,8 +129,21 @@ def test_fully_masked_rows():
         np.testing.assert_allclose(g, r, atol=1e-4, rtol=1e-4)
 
 
+@pytest.fixture(params=["cpu_float32", "native"])
+def low_precision_path(request, monkeypatch):
+    """Both ways low-precision inputs can run: on CPU the kernels compute in float32
+    (`_config.kernel_dtype`); accelerators keep the input dtype, which this forces."""
+    from eqx_flash import _flash
+
+    if request.param == "native":
+        monkeypatch.setattr(_flash, "kernel_dtype", jnp.dtype)
+    _flash._blockwise.clear_cache()  # the dtype is chosen while tracing
+    yield request.param
+    _flash._blockwise.clear_cache()
+
+
 @pytest.mark.parametrize("causal", [False, True])
-def test_bfloat16(causal):
+def test_bfloat16(causal, low_precision_path):
     q, k, v, _ = _inputs(100, 130, 4, 2, jnp.bfloat16)
     out, lse = flash_attention(q, k, v, causal=causal, block_q=32, block_k=48)
     ref_out, ref_lse = plain_attention(q, k, v, causal=causal)
