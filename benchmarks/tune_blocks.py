@@ -1,4 +1,4 @@
-"""Block-size sweep that chose `DEFAULT_BLOCK_Q` / `DEFAULT_BLOCK_K` (`eqx_flash/_config.py`).
+"""Block-size sweep behind `DEFAULT_BLOCKS` and `DEFAULT_BLOCKS_BANDED` (`eqx_flash/_config.py`).
 
     python benchmarks/tune_blocks.py [--seq 4096] [--heads 4] [--reps 3]
 

@@ -8,12 +8,12 @@ import jax.numpy as jnp
 
 # Tuned on a 2-core x86-64 CPU: benchmarks/tune_blocks.py, result in benchmarks/tune_blocks.md.
 # Long key blocks suit the backward pass (a key block's dk/dv stay in its loop's carry, and
-# each step's products get larger); with a causal/window band, square 512 blocks leave the
-# least of the masked triangle inside diagonal blocks while keeping every product large
-# enough for XLA's CPU GEMM to run near its peak (256 x 256 products run at half speed).
-DEFAULT_BLOCK_Q = 512
-DEFAULT_BLOCK_K = 512
-DEFAULT_BLOCK_K_UNBANDED = 1024
+# each step's products get larger). With a causal/window band, smaller blocks leave less of
+# the masked triangle inside diagonal blocks, but only down to 512 x 512 (or 256 x 512, as
+# wasteful at seq 4096 and no faster): XLA's CPU GEMM takes as long for a 256 x 256 product
+# as for a 256 x 512 one (`benchmarks/gemm_shapes.py`), so smaller blocks stop saving time.
+DEFAULT_BLOCKS = (512, 1024)
+DEFAULT_BLOCKS_BANDED = (512, 512)
 
 
 def default_blocks(window: "Window", groups: int = 1) -> tuple[int, int]:
@@ -23,8 +23,8 @@ def default_blocks(window: "Window", groups: int = 1) -> tuple[int, int]:
     logit block is `(groups * block_q, block_k)`: `block_q` shrinks with `groups` to keep
     it the tuned size (at least 64 rows per head).
     """
-    block_k = DEFAULT_BLOCK_K_UNBANDED if window.is_unbounded else DEFAULT_BLOCK_K
-    return max(DEFAULT_BLOCK_Q // groups, 64), block_k
+    block_q, block_k = DEFAULT_BLOCKS if window.is_unbounded else DEFAULT_BLOCKS_BANDED
+    return max(block_q // groups, 64), block_k
 
 
 @dataclasses.dataclass(frozen=True)
