@@ -271,24 +271,19 @@ def over_band(
     block: first the whole ones (no positional mask), then the partial ones at either end
     of the band; all clipped to `limits` (`segment_limits`) if given. Trip counts are
     dynamic, so every outer block shares one compiled loop."""
-    lo, full_lo, full_hi, hi = (jnp.asarray(x)[outer] for x in bands)
-    if limits is None:
-        left, left_end, right, right_end = lo, full_lo, full_hi, hi
-    else:
-        seg_lo, seg_hi = limits[0][outer], limits[1][outer]
-        full_lo, full_hi = jnp.maximum(full_lo, seg_lo), jnp.minimum(full_hi, seg_hi)
-        left, left_end = jnp.maximum(lo, seg_lo), jnp.minimum(jnp.minimum(
-            jnp.asarray(bands.full_lo)[outer], hi), seg_hi)
-        right, right_end = jnp.maximum(jnp.asarray(bands.full_hi)[outer], seg_lo), \
-            jnp.minimum(hi, seg_hi)
+    # The band's three runs: partial [lo, full_lo), whole [full_lo, full_hi), partial
+    # [full_hi, hi). Clipping every end into [seg_lo, seg_hi] intersects each run with it.
+    ends = [jnp.asarray(x)[outer] for x in bands]
+    if limits is not None:
+        ends = [jnp.clip(x, limits[0][outer], limits[1][outer]) for x in ends]
+    lo, full_lo, full_hi, hi = ends
     if int(np.max(bands.full_hi - bands.full_lo, initial=0)) > 0:
         carry = jax.lax.fori_loop(full_lo, full_hi, lambda j, c: step(c, j, False), carry)
     if bands.max_partial > 0:
-        n_left = jnp.maximum(left_end - left, 0)
-        n_right = jnp.maximum(right_end - right, 0)
+        n_left = full_lo - lo
 
         def partial(t, c):
-            return step(c, jnp.where(t < n_left, left + t, right + t - n_left), True)
+            return step(c, jnp.where(t < n_left, lo + t, full_hi + t - n_left), True)
 
-        carry = jax.lax.fori_loop(0, n_left + n_right, partial, carry)
+        carry = jax.lax.fori_loop(0, n_left + hi - full_hi, partial, carry)
     return carry
