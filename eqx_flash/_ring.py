@@ -23,6 +23,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike
 
 from ._backward import backward
+from ._compat import pcast_varying
 from ._config import KernelConfig, Window, stat_dtype
 from ._forward import forward
 from ._layout import Shapes, merge_heads, split_heads
@@ -137,7 +138,7 @@ def _vary(tree, like):
     axes = _varying_axes(like)
     if not axes:
         return tree
-    return jax.tree.map(lambda x: jax.lax.pcast(x, axes, to="varying"), tree)
+    return jax.tree.map(lambda x: pcast_varying(x, axes), tree)
 
 
 def _key_masks(masks: Masks) -> tuple[Array | None, Array | None]:

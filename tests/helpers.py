@@ -4,6 +4,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+try:  # the float64 context manager: `jax.enable_x64` on new jax,
+    from jax import enable_x64 as enable_x64
+except ImportError:  # `jax.experimental.enable_x64` on the oldest supported (0.7)
+    from jax.experimental import enable_x64 as enable_x64
+
 # (rtol, atol) for outputs compared against a float32/float64 reference.
 TOLERANCE = {
     jnp.dtype(jnp.float64): (1e-10, 1e-10),
@@ -65,3 +70,17 @@ def outputs_and_grads(fn, q, k, v, weights_key, **kwargs):
     grad = jax.jit(jax.grad(loss_with_outputs, argnums=(0, 1, 2), has_aux=True))
     grads, outputs = grad(q, k, v)
     return outputs, grads
+
+
+def python_blocks(path) -> list[str]:
+    """The ```python blocks of a Markdown file, in order."""
+    import pathlib
+    import re
+
+    return re.findall(r"```python\n(.*?)```", pathlib.Path(path).read_text(), flags=re.DOTALL)
+
+
+def run_block(code: str, name: str) -> None:
+    """Run a documentation block as a user would: fresh globals, JAX's default settings."""
+    with jax.numpy_rank_promotion("allow"), jax.numpy_dtype_promotion("standard"):
+        exec(compile(code, name, "exec"), {})

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import enable_x64
 
 from eqx_flash import FlashAttention, FlashMultiheadAttention, flash_attention, plain_attention
 
@@ -71,7 +72,7 @@ def test_same_initial_weights(kwargs):
 
 
 def test_dtype_float64_params():
-    with jax.enable_x64(True):
+    with enable_x64(True):
         ours = FlashMultiheadAttention(2, 8, dtype=jnp.float64, key=jax.random.key(0))
         mha = eqx.nn.MultiheadAttention(2, 8, dtype=jnp.float64, key=jax.random.key(0))
         assert ours.query_proj.weight.dtype == jnp.float64

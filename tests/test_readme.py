@@ -1,12 +1,12 @@
 """Every python block in README.md runs as written."""
 
 import pathlib
-import re
 
 import pytest
+from helpers import python_blocks, run_block
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
-BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
+BLOCKS = python_blocks(README)
 
 
 def test_readme_has_examples():
@@ -15,8 +15,4 @@ def test_readme_has_examples():
 
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
 def test_readme_block_runs(index):
-    # README blocks run under JAX's default settings, as users' code does.
-    import jax
-
-    with jax.numpy_rank_promotion("allow"), jax.numpy_dtype_promotion("standard"):
-        exec(compile(BLOCKS[index], f"README.md block {index}", "exec"), {})
+    run_block(BLOCKS[index], f"README.md block {index}")

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, assert_lse_close, outputs_and_grads, qkv
+from helpers import assert_close, assert_lse_close, enable_x64, outputs_and_grads, qkv
 
 from eqx_flash import flash_attention, plain_attention, value_and_grad_difference
 
@@ -64,7 +64,7 @@ def test_half_precision_keeps_dtype_and_accuracy(dtype, getkey):
 
 
 def test_float64_is_exact_to_float64_roundoff(getkey):
-    with jax.enable_x64(True):
+    with enable_x64(True):
         q, k, v = qkv(getkey(), (2, 33, 8), (2, 47, 8), dtype=jnp.float64)
         wkey = getkey()
         (out, lse), grads = outputs_and_grads(flash_attention, q, k, v, wkey, causal=True,

@@ -1,0 +1,26 @@
+"""The few JAX APIs whose spelling changed between the oldest supported jax (0.7.0) and the
+newest; everything else the package uses is common to all of them.
+
+| here | newest jax | jax 0.7.x |
+| --- | --- | --- |
+| `pcast_varying(x, axes)` | `lax.pcast(x, axes, to="varying")` | `lax.pvary(x, axes)` |
+
+`jax.shard_map(..., check_vma=)`, `jax.typeof`, `jax.lax.axis_size` and `jax.tree.*`
+exist under these names from jax 0.7.0 on, so they are used directly. Below 0.7.0
+`jax.shard_map` and `jax.lax.axis_size` do not exist: the floor is there (see the README's
+"Supported versions").
+"""
+
+from collections.abc import Hashable
+
+import jax
+from jaxtyping import Array
+
+
+def pcast_varying(x: Array, axes: tuple[Hashable, ...]) -> Array:
+    """Mark `x` as varying over the manual mesh axes `axes` (inside `shard_map` with
+    `check_vma=True`), as `lax.pcast(x, axes, to="varying")` does on new jax."""
+    if hasattr(jax.lax, "pcast"):
+        return jax.lax.pcast(x, axes, to="varying")
+    # Older jax: the same operation under its former name (gone from new jax).
+    return jax.lax.pvary(x, axes)  # pyright: ignore[reportAttributeAccessIssue]
