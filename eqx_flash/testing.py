@@ -130,7 +130,7 @@ def attention_inputs(
     fully_masked_rows: bool | None = None,
     dropout: bool = False,
 ) -> "SearchStrategy[AttentionInputs]":
-    """A Hypothesis strategy of [`AttentionInputs`][eqx_flash.testing.AttentionInputs]: random attention problems.
+    """A Hypothesis strategy of `AttentionInputs`: random attention problems.
 
     Sizes come from small sets so that few distinct programs are compiled. Arrays are
     made with a NumPy generator from a drawn integer seed; floating inputs are drawn in float32
@@ -410,7 +410,7 @@ def check_attention(
     **Arguments:**
 
     - `fn`: the attention function under test.
-    - `inputs`: one problem, usually drawn from [`attention_inputs`][eqx_flash.testing.attention_inputs].
+    - `inputs`: one problem, usually drawn from `attention_inputs`.
     - `reference`: the oracle; default `plain_attention`.
     - `grads`: also compare gradients.
     - `jit`: run both functions under `jax.jit` (non-array keyword arguments static),

@@ -76,7 +76,8 @@ def test_some_rows_see_no_key(multidevice):
 def test_sharded_inputs_need_no_gather(multidevice):
     result = multidevice["flash_sharded_inputs"]
     assert result["all_gathers"] == 0, result
-    assert result["out_sharding"] == "P('data', 'model')", result
+    # (older jax spells the spec PartitionSpec(...), newer jax P(...).)
+    assert result["out_sharding"].replace("PartitionSpec(", "P(") == "P('data', 'model')", result
 
 
 def test_memory_shrinks_with_devices(multidevice):

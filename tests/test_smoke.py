@@ -1,0 +1,200 @@
+"""A fast pass over every public name, each checked against an independent answer.
+
+This file (marker `smoke`, `python -m pytest -m smoke`) is what CI runs on the oldest
+supported versions (`.ci/oldest.txt`) and on the newest Python; the rest of the suite runs
+on the newest versions. `test_every_public_name_is_covered` keeps it complete.
+"""
+
+import types
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_close, assert_lse_close, outputs_and_grads, qkv
+from hypothesis import given, settings
+from jax.sharding import Mesh, PartitionSpec
+
+import eqx_flash
+import eqx_flash.testing
+
+pytestmark = pytest.mark.smoke
+
+COVERED: set[str] = set()
+
+
+def covers(*names: str):
+    COVERED.update(names)
+    return lambda fn: fn
+
+
+@covers("flash_attention", "plain_attention")
+def test_flash_every_mask_against_plain(getkey):
+    q, k, v = qkv(getkey(), (2, 4, 40, 8), (2, 2, 56, 8))
+    ids_q = jnp.repeat(jnp.arange(2), 20)[None].repeat(2, axis=0)
+    ids_k = jnp.sort(jax.random.randint(getkey(), (2, 56), 0, 2), axis=-1)
+    kwargs = dict(
+        mask=jnp.arange(56) < 50, causal=True, window=(24, 0), softcap=5.0,
+        q_segment_ids=ids_q, kv_segment_ids=ids_k,
+    )
+    wkey = getkey()
+    (out, lse), grads = outputs_and_grads(eqx_flash.flash_attention, q, k, v, wkey,
+                                          block_q=16, block_k=16, **kwargs)
+    (ref, ref_lse), ref_grads = outputs_and_grads(eqx_flash.plain_attention, q, k, v, wkey,
+                                                  **kwargs)
+    assert_close(out, ref)
+    assert_lse_close(lse, ref_lse)
+    for g, r in zip(grads, ref_grads, strict=True):
+        assert_close(g, r, scale=4.0)
+
+
+@covers("flash_attention", "plain_attention")
+def test_dropout_and_dense_mask_match_plain(getkey):
+    q, k, v = qkv(getkey(), (2, 24, 8), (2, 40, 8))
+    attn_mask = jax.random.bernoulli(getkey(), 0.7, (24, 40))
+    key = jax.random.key(3)
+    out, _ = eqx_flash.flash_attention(q, k, v, attn_mask=attn_mask, dropout_rate=0.2, key=key,
+                                       block_q=8, block_k=16)
+    ref, _ = eqx_flash.plain_attention(q, k, v, attn_mask=attn_mask, dropout_rate=0.2, key=key)
+    assert_close(out, ref)
+
+
+@covers("causal_flash_attention")
+def test_causal_flash_attention_is_flash_causal(getkey):
+    q, k, v = qkv(getkey(), (33, 8), (33, 8))
+    out, lse = eqx_flash.causal_flash_attention(q, k, v)
+    ref, ref_lse = eqx_flash.plain_attention(q, k, v, causal=True)
+    assert_close(out, ref)
+    assert_lse_close(lse, ref_lse)
+
+
+@covers("cosine_sim_flash_attention")
+def test_cosine_sim_normalises_each_vector(getkey):
+    q, k, v = qkv(getkey(), (2, 16, 8), (2, 24, 8))
+    out, _ = eqx_flash.cosine_sim_flash_attention(q, k, v)
+    unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
+    ref, _ = eqx_flash.plain_attention(unit(q), unit(k), v, scale=10.0)
+    assert_close(out, ref)
+
+
+@covers("value_and_grad_difference")
+def test_value_and_grad_difference_small():
+    # Jitted, so that the comparison compiles once instead of dispatching op by op.
+    plain, flash = jax.jit(eqx_flash.plain_attention), jax.jit(eqx_flash.flash_attention)
+    diff, grads = eqx_flash.value_and_grad_difference(
+        plain, flash, batch=1, q_seq_len=48, k_seq_len=40, dim=8, heads=2, kv_heads=1,
+    )
+    assert float(diff) < 1e-5 and max(map(float, grads)) < 1e-4
+    # ...and it does see a difference when there is one.
+    off, _ = eqx_flash.value_and_grad_difference(
+        plain, jax.jit(lambda *a: eqx_flash.plain_attention(*a, scale=0.3)),
+        batch=1, q_seq_len=48, k_seq_len=40, dim=8, heads=2, kv_heads=1,
+    )
+    assert float(off) > 1e-3
+
+
+@covers("FlashMultiheadAttention")
+def test_flash_multihead_matches_equinox(getkey):
+    ours = eqx_flash.FlashMultiheadAttention(2, 16, key=jax.random.key(0))
+    mha = eqx.nn.MultiheadAttention(2, 16, key=jax.random.key(0))
+    x = jax.random.normal(getkey(), (12, 16))
+    mask = jnp.tril(jnp.ones((12, 12), bool))
+    assert_close(ours(x, x, x, mask), mha(x, x, x, mask))
+    causal = eqx_flash.FlashMultiheadAttention(2, 16, causal=True, key=jax.random.key(0))
+    assert_close(causal(x, x, x), mha(x, x, x, mask))
+    grads = eqx.filter_grad(lambda m: jnp.sum(m(x, x, x) ** 2))(causal)
+    assert jnp.all(jnp.isfinite(grads.query_proj.weight))
+
+
+@covers("FlashAttention")
+def test_flash_attention_module(getkey):
+    q, k, v = qkv(getkey(), (4, 20, 8), (2, 20, 8))
+    module = eqx_flash.FlashAttention(causal=True, softcap=5.0, dropout_p=0.1)
+    ref, _ = eqx_flash.plain_attention(q, k, v, causal=True, softcap=5.0)
+    assert_close(module(q, k, v, inference=True), ref)
+    dropped = module(q, k, v, key=jax.random.key(1))
+    assert dropped.shape == ref.shape and not jnp.allclose(dropped, ref)
+
+
+@covers("ring_order", "to_ring_layout", "from_ring_layout")
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
+def test_ring_layouts_round_trip(layout):
+    order = eqx_flash.ring_order(16, 2, layout)
+    assert sorted(order.tolist()) == list(range(16))
+    x = jnp.arange(2 * 16 * 3.0).reshape(2, 16, 3)
+    arranged = eqx_flash.to_ring_layout(x, num_devices=2, layout=layout)
+    np.testing.assert_array_equal(arranged, x[:, order])
+    back = eqx_flash.from_ring_layout(arranged, num_devices=2, layout=layout)
+    np.testing.assert_array_equal(back, x)
+
+
+def _mesh() -> Mesh:
+    return Mesh(np.array(jax.devices()[:1]), ("seq",))
+
+
+@covers("sharded_flash_attention")
+def test_sharded_flash_attention_one_device(getkey):
+    q, k, v = qkv(getkey(), (2, 4, 32, 8), (2, 2, 32, 8))
+    out, lse = jax.jit(lambda q, k, v: eqx_flash.sharded_flash_attention(
+        q, k, v, mesh=_mesh(), seq_axis="seq", causal=True, block_q=8, block_k=8))(q, k, v)
+    ref, ref_lse = eqx_flash.plain_attention(q, k, v, causal=True)
+    assert_close(out, ref)
+    assert_lse_close(lse, ref_lse)
+
+
+@covers("ring_flash_attention")
+@pytest.mark.parametrize("check_vma", [False, True])
+def test_ring_in_shard_map_one_device(getkey, check_vma):
+    # check_vma=True exercises the varying-axes casts (`_compat.pcast_varying`).
+    q, k, v = qkv(getkey(), (4, 32, 8), (2, 32, 8))
+    spec = PartitionSpec(None, "seq", None)
+    ring = jax.shard_map(
+        lambda q, k, v: eqx_flash.ring_flash_attention(
+            q, k, v, axis_name="seq", layout="zigzag", causal=True, block_q=8, block_k=8),
+        mesh=_mesh(), in_specs=(spec, spec, spec),
+        out_specs=(spec, PartitionSpec(None, "seq")), check_vma=check_vma,
+    )
+    wkey = getkey()
+    (out, lse), grads = outputs_and_grads(ring, q, k, v, wkey)
+    ref_fn = lambda q, k, v: eqx_flash.plain_attention(q, k, v, causal=True)  # noqa: E731
+    (ref, ref_lse), ref_grads = outputs_and_grads(ref_fn, q, k, v, wkey)
+    assert_close(out, ref)
+    assert_lse_close(lse, ref_lse)
+    for g, r in zip(grads, ref_grads, strict=True):
+        assert_close(g, r, scale=4.0)
+
+
+@covers("testing.attention_inputs", "testing.check_attention", "testing.AttentionInputs",
+        "testing.Tolerance", "testing.TOLERANCES", "testing.value_and_grad_difference")
+def test_testing_finds_a_bug_and_passes_flash():
+    from eqx_flash.testing import TOLERANCES, AttentionInputs, attention_inputs, check_attention
+
+    assert TOLERANCES[jnp.dtype(jnp.float32)].out[0] < 1e-4
+    assert eqx_flash.testing.value_and_grad_difference is eqx_flash.value_and_grad_difference
+
+    @settings(max_examples=3, deadline=None, derandomize=True, database=None)
+    @given(attention_inputs(max_seq=33, dtypes=[jnp.float32], attn_mask=False))
+    def flash_passes(inputs):
+        assert isinstance(inputs, AttentionInputs)
+        check_attention(eqx_flash.flash_attention, inputs)
+
+    flash_passes()
+
+    def wrong_scale(q, k, v, **kwargs):
+        return eqx_flash.plain_attention(q, k, v, scale=0.9 / q.shape[-1] ** 0.5)
+
+    problem = AttentionInputs(*qkv(jax.random.key(0), (2, 16, 8), (2, 16, 8)))
+    with pytest.raises(AssertionError, match="out"):
+        check_attention(wrong_scale, problem, grads=False)
+    loose = eqx_flash.testing.Tolerance(out=(1.0, 1.0), lse=(1.0, 1.0), grad=(1.0, 1.0))
+    check_attention(wrong_scale, problem, grads=False, tolerance=loose)
+
+
+def test_every_public_name_is_covered():
+    public = {
+        name for name, value in vars(eqx_flash).items()
+        if not name.startswith("_") and not isinstance(value, types.ModuleType)
+    }
+    public |= {f"testing.{name}" for name in eqx_flash.testing.__all__}
+    assert public - COVERED == set(), "public names without a smoke test"
