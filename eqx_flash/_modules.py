@@ -20,7 +20,6 @@ from ._flash import flash_attention
 from ._options import check_rate, make_options
 from ._types import BlockSize, Flag, OptionalReal, RealNumber, WindowLike
 
-
 # `(seq_k,)` key padding, `(seq_q, seq_k)` shared by all heads, or one per head.
 Mask = Bool[Array, "seq_k"] | Bool[Array, "seq_q seq_k"] | Bool[Array, "heads seq_q seq_k"]
 
