@@ -8,9 +8,9 @@ from ._modules import FlashMultiheadAttention as FlashMultiheadAttention
 from ._reference import plain_attention as plain_attention
 from ._ring import ring_flash_attention as ring_flash_attention
 from ._sanity import value_and_grad_difference as value_and_grad_difference
-from ._sharded import from_ring_layout as from_ring_layout
-from ._sharded import ring_order as ring_order
+from ._sequence_order import from_ring_layout as from_ring_layout
+from ._sequence_order import ring_order as ring_order
+from ._sequence_order import to_ring_layout as to_ring_layout
 from ._sharded import sharded_flash_attention as sharded_flash_attention
-from ._sharded import to_ring_layout as to_ring_layout
 
 __version__ = importlib.metadata.version("eqx_flash")

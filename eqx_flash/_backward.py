@@ -1,6 +1,9 @@
 """Blockwise backward kernel: recomputes each scheduled block from q, k, v and lse.
 
-Per kv head (`_blocks.per_head`), key blocks are the outer loop: a key block's dk and dv
+A pure function of its inputs: the VJP rule prepares what it needs (`prepare`: the
+softmax-backward `delta` and an lse without -inf), as in Pallas' attention kernels.
+
+Per kv head (`_heads.per_head`), key blocks are the outer loop: a key block's dk and dv
 stay in the carry of an inner loop over its band of query blocks and are emitted once;
 dq accumulates in place. Gradients accumulate in the statistics dtype; nothing of size
 seq_q x seq_k is stored.
@@ -9,16 +12,73 @@ The logits are formed transposed, `(block_k, groups * block_q)`, with q, dO and 
 transposed too: then all five block products are plain row-major matmuls. In the
 untransposed form dk and dv contract over the rows of both operands (`p^T dO`), which
 XLA's CPU GEMM runs at about half speed.
+
+Reading order: `backward` -> `_head` (one kv head) -> `_key_block` (one key block's loop
+over query blocks) -> `_query_step` (one block pair).
 """
+
+import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from . import _blocks
+from ._block import (
+    allowed,
+    dropout_multiplier,
+    folds_scale,
+    logits_t,
+    scaled,
+    skip_if_empty,
+    transposed,
+)
 from ._config import KernelConfig, stat_dtype
+from ._heads import Head, per_head
 from ._masking import Masks
-from ._schedule import band_ranges
+from ._schedule import Bands, band_ranges, over_band, segment_limits
+from ._softmax import finite_lse
+
+
+def prepare(out: Array, lse: Array, d_out: Array, d_lse: Array) -> tuple[Array, Array]:
+    """`(lse, delta)` for `backward`: lse with -inf made finite (`finite_lse`), and
+    `delta = rowsum(dO * O) - d_lse` in the statistics dtype. (d lse / d s is the
+    softmax, so an lse cotangent just shifts the softmax-backward delta.)"""
+    stat = stat_dtype(out.dtype)
+    delta = jnp.sum(d_out.astype(stat) * out.astype(stat), axis=-1) - d_lse.astype(stat)
+    return finite_lse(lse), delta
+
+
+class _QueryBlocks(NamedTuple):
+    """One kv head's query-side inputs cut into row blocks, `(num_q, g * bq, c)`, and
+    their transposes `(num_q, c, g * bq)` (`_cut`)."""
+
+    q_rows: Array  # scaled queries
+    q_cols: Array
+    do_rows: Array
+    do_cols: Array
+    lse_cols: Array  # (num_q, 1, g * bq)
+    delta_cols: Array
+
+
+class _HeadInputs(NamedTuple):
+    """What every block step of one kv head reads."""
+
+    cfg: KernelConfig
+    head: Head
+    seed: Array | None
+    has_data_mask: bool
+    query: _QueryBlocks
+    groups: int
+    dtype: jnp.dtype  # of q and k (the products' operands)
+    v_dtype: jnp.dtype
+
+
+class _KeyBlock(NamedTuple):
+    start: Array
+    k: Array  # (bk, d)
+    k_t: Array  # (d, bk)
+    v: Array  # (bk, dv)
 
 
 def backward(
@@ -26,92 +86,114 @@ def backward(
     q: Array,
     k: Array,
     v: Array,
-    out: Array,
     lse: Array,
+    delta: Array,
     d_out: Array,
-    d_lse: Array,
     masks: Masks,
     seed: Array | None,
 ) -> tuple[Array, Array, Array]:
-    """Cotangents of q, k, v given those of `out` and `lse` (all in the internal layout)."""
+    """Cotangents of q, k, v (internal layout) given `lse` and `delta` from `prepare` and
+    the cotangent `d_out` of `out`."""
+    bands = band_ranges(cfg.seq_q, cfg.seq_k, cfg.block_q, cfg.block_k, cfg.window,
+                        cfg.offset, by="k")
+    kernel = functools.partial(_head, cfg, bands, seed, not masks.is_empty)
+    return per_head(kernel, masks, (q, k, v, d_out, lse, delta))
+
+
+def _cut(x: Array, block: int) -> tuple[Array, Array]:
+    """`(g, seq_q, c)` -> row blocks `(num_q, g * block, c)` and their transposes."""
+    groups, seq, c = x.shape
+    x = x.reshape(groups, seq // block, block, c)
+    blocks = x.transpose(1, 0, 2, 3).reshape(seq // block, groups * block, c)
+    return blocks, blocks.transpose(0, 2, 1)
+
+
+def _head(
+    cfg: KernelConfig, bands: Bands, seed: Array | None, has_data_mask: bool, head: Head,
+    arrays: tuple[Array, ...],
+) -> tuple[Array, Array, Array]:
+    q, k, v, d_out, lse, delta = arrays
     stat = stat_dtype(q.dtype)
-    groups, seq_q_pad, dim = q.shape[2:]
-    seq_k_pad, dim_v = v.shape[2:]
+    groups, seq_q_pad, dim = q.shape
+    seq_k_pad, dim_v = v.shape
     bq, bk = cfg.block_q, cfg.block_k
     num_q, num_k = seq_q_pad // bq, seq_k_pad // bk
-    has_data = not masks.is_empty
-    # d lse / d s = softmax, so an lse cotangent just shifts the softmax-backward delta.
-    delta = jnp.sum(d_out.astype(stat) * out.astype(stat), axis=-1) - d_lse.astype(stat)
-    # Rows with no key have lse = -inf and all-masked logits; any finite shift gives p = 0.
-    lse = jnp.where(lse == -jnp.inf, 0.0, lse)
-    bands = band_ranges(cfg.seq_q, cfg.seq_k, bq, bk, cfg.window, cfg.offset, by="k")
+    query = _QueryBlocks(
+        *_cut(scaled(cfg, q), bq), *_cut(d_out, bq),
+        _cut(lse[..., None], bq)[1], _cut(delta[..., None], bq)[1],
+    )
+    inputs = _HeadInputs(cfg, head, seed, has_data_mask, query, groups, q.dtype, v.dtype)
+    keys = (k.reshape(num_k, bk, dim), v.reshape(num_k, bk, dim_v))
+    limits = segment_limits(cfg, head.masks, by="k")
 
-    def q_blocks(x: Array) -> tuple[Array, Array]:
-        """`(g, seq_q, c)` -> row blocks `(num_q, g * bq, c)` and their transposes."""
-        x = x.reshape(groups, num_q, bq, x.shape[-1])
-        rows = x.transpose(1, 0, 2, 3).reshape(num_q, groups * bq, x.shape[-1])
-        return rows, rows.transpose(0, 2, 1)
+    def key_block(dq_cols, j):
+        return _key_block(inputs, bands, limits, keys, dq_cols, j)
 
-    def head_kernel(head: _blocks.Head, arrays):
-        q, k, v, d_out, lse, delta = arrays
-        q_rows, q_cols = q_blocks(_blocks.scaled(cfg, q))
-        do_rows, do_cols = q_blocks(d_out)
-        lse_cols = q_blocks(lse[..., None])[1]  # (num_q, 1, g * bq)
-        delta_cols = q_blocks(delta[..., None])[1]
-        k_rows = k.reshape(num_k, bk, dim)
-        k_cols = k_rows.transpose(0, 2, 1)
-        v_rows = v.reshape(num_k, bk, dim_v)
-        limits = _blocks.segment_limits(cfg, head.masks, by="k")
+    dq_cols, (d_k, d_v) = jax.lax.scan(
+        key_block, jnp.zeros_like(query.q_cols, stat), jnp.arange(num_k, dtype=jnp.int32)
+    )
+    # (num_q, d, g * bq) -> (g, seq_q, d)
+    d_q = dq_cols.reshape(num_q, dim, groups, bq).transpose(2, 0, 3, 1)
+    d_q = d_q.reshape(groups, seq_q_pad, dim) * jnp.asarray(cfg.scale, stat)
+    return d_q.astype(q.dtype), d_k.reshape(seq_k_pad, dim), d_v.reshape(seq_k_pad, dim_v)
 
-        def key_block(dq_cols, j):
-            k_start = j * bk
-            k_blk, kt_blk, v_blk = k_rows[j], k_cols[j], v_rows[j]
 
-            def step(carry, i, positional):
-                q_start = i * bq
-                mask = _blocks.allowed_t(cfg, head.masks, q_start, k_start, positional,
-                                         groups)
+def _key_block(
+    inputs: _HeadInputs, bands: Bands, limits: tuple[Array, Array] | None,
+    keys: tuple[Array, Array], dq_cols: Array, j: Array,
+) -> tuple[Array, tuple[Array, Array]]:
+    """Key block `j`'s dk and dv, adding its share of dq into `dq_cols`."""
+    cfg = inputs.cfg
+    stat = dq_cols.dtype
+    k_blk, v_blk = keys[0][j], keys[1][j]
+    block = _KeyBlock(j * cfg.block_k, k_blk, k_blk.T, v_blk)
+    step = functools.partial(_query_step, inputs, block)
+    # `*_like`: under shard_map the state must vary across devices as k and v do.
+    init = (dq_cols, jnp.zeros_like(k_blk, stat), jnp.zeros_like(v_blk, stat))
+    dq_cols, dk_b, dv_b = over_band(bands, j, step, init, limits)
+    if not folds_scale(inputs.dtype):
+        dk_b = dk_b * jnp.asarray(cfg.scale, stat)  # q was left unscaled
+    return dq_cols, (dk_b.astype(inputs.dtype), dv_b.astype(inputs.v_dtype))
 
-                def update(carry):
-                    dq_cols, dk_b, dv_b = carry
-                    s, t = _blocks.logits_t(cfg, k_blk, q_cols[i])
-                    if mask is not None:
-                        s = jnp.where(mask, s, -jnp.inf)
-                    p = jnp.exp(s - lse_cols[i])
-                    dp = jnp.matmul(v_blk, do_cols[i], preferred_element_type=stat)
-                    drop = _blocks.dropout_multiplier_t(cfg, seed, head, q_start, k_start,
-                                                        stat)
-                    if drop is not None:
-                        p_v, dp = p * drop, dp * drop
-                    else:
-                        p_v = p
-                    dv_b = dv_b + jnp.matmul(p_v.astype(v.dtype), do_rows[i],
-                                             preferred_element_type=stat)
-                    ds = p * (dp - delta_cols[i])
-                    if t is not None:
-                        ds = ds * (1.0 - t * t)
-                    ds = ds.astype(q.dtype)
-                    # dk against the scaled queries is exact; dq is scaled once at the end.
-                    dk_b = dk_b + jnp.matmul(ds, q_rows[i], preferred_element_type=stat)
-                    dq_blk = dq_cols[i] + jnp.matmul(kt_blk, ds, preferred_element_type=stat)
-                    dq_cols = jax.lax.dynamic_update_index_in_dim(dq_cols, dq_blk, i, axis=0)
-                    return dq_cols, dk_b, dv_b
 
-                return _blocks.skip_if_empty(mask, has_data, update, lambda c: c, carry)
+def _query_step(
+    inputs: _HeadInputs, block: _KeyBlock, carry: tuple[Array, Array, Array], i: Array,
+    positional: bool,
+) -> tuple[Array, Array, Array]:
+    """Add query block `i`'s contribution to the gradients of one key block."""
+    cfg = inputs.cfg
+    q_start = i * cfg.block_q
+    mask = allowed(cfg, inputs.head.masks, q_start, block.start, positional)
+    mask = transposed(mask, inputs.groups, cfg.block_q)
+    update = functools.partial(_update, inputs, block, q_start, mask, i)
+    return skip_if_empty(mask, inputs.has_data_mask, update, carry)
 
-            # `*_like`: under shard_map the state must vary across devices as k and v do.
-            init = (dq_cols, jnp.zeros_like(k_blk, stat), jnp.zeros_like(v_blk, stat))
-            dq_cols, dk_b, dv_b = _blocks.over_band(bands, j, step, init, limits)
-            if not _blocks.folds_scale(q.dtype):
-                dk_b = dk_b * jnp.asarray(cfg.scale, stat)  # q was left unscaled
-            return dq_cols, (dk_b.astype(k.dtype), dv_b.astype(v.dtype))
 
-        dq_cols, (d_k, d_v) = jax.lax.scan(
-            key_block, jnp.zeros_like(q_cols, stat), jnp.arange(num_k, dtype=jnp.int32)
-        )
-        # (num_q, d, g * bq) -> (g, seq_q, d)
-        d_q = dq_cols.reshape(num_q, dim, groups, bq).transpose(2, 0, 3, 1)
-        d_q = d_q.reshape(groups, seq_q_pad, dim) * jnp.asarray(cfg.scale, stat)
-        return d_q.astype(q.dtype), d_k.reshape(seq_k_pad, dim), d_v.reshape(seq_k_pad, dim_v)
-
-    return _blocks.per_head(head_kernel, masks, (q, k, v, d_out, lse, delta))
+def _update(
+    inputs: _HeadInputs, block: _KeyBlock, q_start: Array, mask: Array | None, i: Array,
+    carry: tuple[Array, Array, Array],
+) -> tuple[Array, Array, Array]:
+    cfg, query = inputs.cfg, inputs.query
+    dq_cols, dk_b, dv_b = carry
+    stat = dk_b.dtype
+    s, t = logits_t(cfg, block.k, query.q_cols[i])
+    if mask is not None:
+        s = jnp.where(mask, s, -jnp.inf)
+    p = jnp.exp(s - query.lse_cols[i])
+    dp = jnp.matmul(block.v, query.do_cols[i], preferred_element_type=stat)
+    drop = dropout_multiplier(cfg, inputs.seed, inputs.head, q_start, block.start, stat)
+    drop = transposed(drop, inputs.groups, cfg.block_q)
+    p_v = p
+    if drop is not None:
+        p_v, dp = p * drop, dp * drop
+    dv_b = dv_b + jnp.matmul(p_v.astype(inputs.v_dtype), query.do_rows[i],
+                             preferred_element_type=stat)
+    ds = p * (dp - query.delta_cols[i])
+    if t is not None:
+        ds = ds * (1.0 - t * t)
+    ds = ds.astype(inputs.dtype)
+    # dk against the scaled queries is exact; dq is scaled once at the end.
+    dk_b = dk_b + jnp.matmul(ds, query.q_rows[i], preferred_element_type=stat)
+    dq_blk = dq_cols[i] + jnp.matmul(block.k_t, ds, preferred_element_type=stat)
+    dq_cols = jax.lax.dynamic_update_index_in_dim(dq_cols, dq_blk, i, axis=0)
+    return dq_cols, dk_b, dv_b

@@ -1,10 +1,17 @@
-"""The static configuration of one attention call: what may attend, and how it is blocked."""
+"""The static configuration of one kernel call: what may attend, and how it is blocked.
+
+`kernel_config` resolves the validated `AttentionOptions` against the problem's sizes
+(default scale, tuned block sizes); kernels read only the `KernelConfig`.
+"""
 
 import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
+
+from ._options import AttentionOptions, Window
+from ._shapes import Shapes
 
 # Tuned on a 2-core x86-64 CPU: benchmarks/tune_blocks.py, result in benchmarks/tune_blocks.md.
 # Long key blocks suit the backward pass (a key block's dk/dv stay in its loop's carry, and
@@ -16,7 +23,7 @@ DEFAULT_BLOCKS = (512, 1024)
 DEFAULT_BLOCKS_BANDED = (512, 512)
 
 
-def default_blocks(window: "Window", groups: int = 1) -> tuple[int, int]:
+def default_blocks(window: Window, groups: int = 1) -> tuple[int, int]:
     """Tuned default `(block_q, block_k)` for a call with this causal/window band.
 
     The kernels fold a kv head's `groups` query heads into the rows of one block, so the
@@ -25,48 +32,6 @@ def default_blocks(window: "Window", groups: int = 1) -> tuple[int, int]:
     """
     block_q, block_k = DEFAULT_BLOCKS if window.is_unbounded else DEFAULT_BLOCKS_BANDED
     return max(block_q // groups, 64), block_k
-
-
-@dataclasses.dataclass(frozen=True)
-class Window:
-    """Keys a query may see, relative to its bottom-right aligned position `p`.
-
-    Query `i` sees key `j` iff `p - left <= j <= p + right` with `p = i + seq_k - seq_q`;
-    `None` leaves that side unbounded. Causal attention is `right = 0`.
-    """
-
-    left: int | None = None
-    right: int | None = None
-
-    @property
-    def is_unbounded(self) -> bool:
-        return self.left is None and self.right is None
-
-
-def make_window(window: int | tuple[int | None, int | None] | None, causal: bool) -> Window:
-    """Normalise the public `window` and `causal` arguments into one `Window`."""
-    if window is None:
-        left, right = None, None
-    elif isinstance(window, tuple | list):
-        if len(window) != 2:
-            raise ValueError(
-                f"window must be an int or a pair (left, right); got {window!r}"
-            )
-        left, right = window
-    else:
-        left, right = window, window
-    for side, value in (("left", left), ("right", right)):
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(
-                f"window {side} side must be a non-negative int or None; got {value!r}"
-            )
-        if value < 0:
-            raise ValueError(f"window {side} side must be >= 0; got {value}")
-    if causal:
-        right = 0 if right is None else min(right, 0)
-    return Window(left, right)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,11 +59,20 @@ class KernelConfig:
         return self.seq_k - self.seq_q if self.diagonal_offset is None else self.diagonal_offset
 
 
-def check_block_size(name: str, value: int | None) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int or None; got {value!r}")
+def kernel_config(options: AttentionOptions, shapes: Shapes) -> KernelConfig:
+    """The kernels' configuration for `options` on a problem of `shapes` (block sizes
+    default to the tuned `default_blocks`)."""
+    tuned_q, tuned_k = default_blocks(options.window, shapes.groups)
+    return KernelConfig(
+        seq_q=shapes.seq_q,
+        seq_k=shapes.seq_k,
+        block_q=choose_block(options.block_q, tuned_q, shapes.seq_q),
+        block_k=choose_block(options.block_k, tuned_k, shapes.seq_k),
+        window=options.window,
+        scale=options.scale_for(shapes.dim),
+        softcap=options.softcap,
+        dropout_rate=options.dropout_rate,
+    )
 
 
 def choose_block(requested: int | None, default: int, seq: int) -> int:

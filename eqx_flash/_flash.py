@@ -1,7 +1,12 @@
 """Public `flash_attention`: validation, layout, padding and `custom_vjp` wiring.
 
-The kernels (`_forward`, `_backward`) see only padded arrays in the internal layout; this
-module is the only place that knows about the public shapes.
+The path of one call: `make_options` checks the static options and `check_qkv` /
+`check_masks` the arrays (all before tracing); `kernel_config` resolves block sizes and
+scale; `_blockwise` (jitted) brings q, k, v and masks into the internal layout and pads
+them to whole blocks; `_attention` is the `custom_vjp` whose forward is `_forward.forward`
+and whose VJP rule prepares `delta` and a finite lse for the pure `_backward.backward`.
+The kernels see only padded arrays in the internal layout; this module is the only place
+that knows about the public shapes.
 """
 
 import functools
@@ -12,16 +17,20 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, PRNGKeyArray, jaxtyped
 
-from ._backward import backward
-from ._config import KernelConfig, kernel_dtype
+from ._backward import backward, prepare
+from ._config import KernelConfig, kernel_config, kernel_dtype
 from ._forward import forward
-from ._layout import Shapes, merge_heads, split_heads
 from ._masking import Masks, dropout_seed
+from ._options import make_options
+from ._shapes import Shapes, merge_heads, split_heads
 from ._types import (
     LSE,
+    BlockSize,
+    Flag,
     Key,
     KeyMask,
     KeySegmentIds,
+    OptionalReal,
     Output,
     PairMask,
     Query,
@@ -30,7 +39,7 @@ from ._types import (
     Value,
     WindowLike,
 )
-from ._validation import check_dropout, check_masks, check_qkv, make_config
+from ._validation import check_dropout_key, check_masks, check_qkv
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -45,8 +54,8 @@ def _attention_fwd(cfg, q, k, v, masks, seed):
 
 def _attention_bwd(cfg, residuals, cotangents):
     q, k, v, out, lse, masks, seed = residuals
-    d_out, d_lse = cotangents
-    d_q, d_k, d_v = backward(cfg, q, k, v, out, lse, d_out, d_lse, masks, seed)
+    lse, delta = prepare(out, lse, *cotangents)
+    d_q, d_k, d_v = backward(cfg, q, k, v, lse, delta, cotangents[0], masks, seed)
     no_grad = jax.tree.map(lambda _: None, masks)
     return d_q, d_k, d_v, no_grad, None
 
@@ -85,14 +94,14 @@ def flash_attention(
     mask: KeyMask | None = None,
     *,
     attn_mask: PairMask | None = None,
-    causal: bool = False,
+    causal: Flag = False,
     window: WindowLike = None,
     q_segment_ids: QuerySegmentIds | None = None,
     kv_segment_ids: KeySegmentIds | None = None,
-    scale: RealNumber | None = None,
-    softcap: RealNumber | None = None,
-    block_q: int | None = None,
-    block_k: int | None = None,
+    scale: OptionalReal = None,
+    softcap: OptionalReal = None,
+    block_q: BlockSize = None,
+    block_k: BlockSize = None,
     dropout_rate: RealNumber = 0.0,
     key: PRNGKeyArray | None = None,
 ) -> tuple[Output, LSE]:
@@ -127,22 +136,20 @@ def flash_attention(
     `TypeError` or `ValueError` naming the offending argument, at call time (while
     tracing under `jax.jit`): the axis names above are checked across arguments by
     jaxtyping and beartype, and the rest (dtypes, broadcasting, head grouping, scalar
-    ranges) by explicit checks that also run when jaxtyping is switched off.
+    ranges) by explicit checks that also run when jaxtyping is switched off. The
+    options (`causal` to `dropout_rate`) raise `TypeError` for a value of the wrong
+    type and `ValueError` for one out of range, with the same message from every
+    entry point.
     JAX and NumPy arrays are accepted.
     """
+    options = make_options(
+        causal=causal, window=window, scale=scale, softcap=softcap, block_q=block_q,
+        block_k=block_k, dropout_rate=dropout_rate,
+    )
     q, k, v, shapes = check_qkv(q, k, v)
     masks = check_masks(shapes, mask, attn_mask, q_segment_ids, kv_segment_ids)
-    rate, key = check_dropout(dropout_rate, key)
-    cfg = make_config(
-        shapes,
-        causal=causal,
-        window=window,
-        scale=scale,
-        softcap=softcap,
-        block_q=block_q,
-        block_k=block_k,
-        dropout_rate=rate,
-    )
+    key = check_dropout_key(options.dropout_rate, key)
+    cfg = kernel_config(options, shapes)
     seed = None if key is None else dropout_seed(key)
     return _blockwise(q, k, v, masks, seed, cfg=cfg, shapes=shapes)
 

@@ -15,7 +15,7 @@ from ._config import Window
 
 
 class Masks(NamedTuple):
-    """Data-dependent masks in the internal layout (`_layout.mask_to_internal`).
+    """Data-dependent masks in the internal layout (`_shapes.mask_to_internal`).
 
     Each is `(batch|1, kv_heads|1, groups|1, seq_q|1, seq_k|1)` or None.
     """
@@ -113,10 +113,14 @@ def dropout_keep(
     return h >= threshold
 
 
-def head_index(batch: int, kv_heads: int, groups: int) -> Int[Array, "b h g 1 1"]:
-    """Flat index of each (batch, kv_head, group) over q's leading axes (heads included)."""
-    heads = kv_heads * groups
-    b = jnp.arange(batch, dtype=jnp.int32)[:, None, None]
-    h = jnp.arange(kv_heads, dtype=jnp.int32)[None, :, None]
-    g = jnp.arange(groups, dtype=jnp.int32)[None, None, :]
-    return (b * heads + h * groups + g)[..., None, None]
+def flat_head_index(b: Array, h: Array, kv_heads: int, groups: int) -> Int[Array, "..."]:
+    """Flat index over q's leading axes (heads included) of the query heads grouped on kv
+    head `h` of batch element `b`: `(b * kv_heads + h) * groups + g`, shaped
+    `(*broadcast(b, h), groups, 1, 1)` to broadcast against logits `(..., seq_q, seq_k)`.
+
+    The one definition of the head coordinate of dropout's counter: the kernels (one kv
+    head at a time) and the reference (all heads at once) both call it.
+    """
+    n = jnp.asarray(b, jnp.int32)[..., None] * kv_heads + jnp.asarray(h, jnp.int32)[..., None]
+    g = jnp.arange(groups, dtype=jnp.int32).reshape((1,) * (n.ndim - 1) + (groups,))
+    return (n * groups + g)[..., None, None]

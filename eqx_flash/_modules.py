@@ -5,8 +5,8 @@ The modules validate their configuration once, in `__check_init__`, and leave ev
 per-call shape check to `flash_attention`.
 """
 
-import math
 import typing
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -16,12 +16,9 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, Bool, Float, PRNGKeyArray, jaxtyped
 
-from ._config import check_block_size, make_window
 from ._flash import flash_attention
-
-WindowArg = int | tuple[int | None, int | None] | None
-# Constructors also take a list (stored as a tuple, to stay hashable).
-WindowInput = WindowArg | list[int | None]
+from ._options import check_rate, make_options
+from ._types import BlockSize, Flag, OptionalReal, RealNumber, WindowLike
 
 # `(seq_k,)` key padding, `(seq_q, seq_k)` shared by all heads, or one per head.
 Mask = Bool[Array, "seq_k"] | Bool[Array, "seq_q seq_k"] | Bool[Array, "heads seq_q seq_k"]
@@ -45,33 +42,10 @@ def _normalise_window(window: Any) -> Any:
     return tuple(window) if isinstance(window, list) else window
 
 
-def _check_options(causal, window, softcap, scale, block_q, block_k) -> None:
-    """Raise ValueError/TypeError naming the field for a bad static attention option."""
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool; got causal={causal!r}")
-    try:
-        make_window(window, causal)
-    except (TypeError, ValueError) as e:
-        raise type(e)(f"window={window!r} is invalid: {e}") from None
-    if softcap is not None and (
-        isinstance(softcap, bool)
-        or not isinstance(softcap, int | float)
-        or not math.isfinite(softcap)
-        or softcap <= 0
-    ):
-        raise ValueError(f"softcap must be None or a finite float > 0; got softcap={softcap!r}")
-    if scale is not None and (
-        isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale)
-    ):
-        raise ValueError(f"scale must be None or a finite float; got scale={scale!r}")
-    check_block_size("block_q", block_q)
-    check_block_size("block_k", block_k)
-
-
 def _check_dropout_p(name: str, p: Any) -> None:
     # A traced or array-valued p (e.g. swapped in with eqx.tree_at) is checked at call time.
-    if isinstance(p, int | float) and not isinstance(p, bool) and not 0.0 <= p < 1.0:
-        raise ValueError(f"{name} must be in [0, 1); got {name}={p!r}")
+    if isinstance(p, int | float) and not isinstance(p, bool):
+        check_rate(name, p)
 
 
 def _dropout_rate(p: Any, inference: bool, key: PRNGKeyArray | None) -> float:
@@ -88,21 +62,11 @@ def _dropout_rate(p: Any, inference: bool, key: PRNGKeyArray | None) -> float:
 
 
 def _attend(
-    q: Array,
-    k: Array,
-    v: Array,
-    mask: Array | None,
-    *,
-    causal: bool,
-    window: WindowArg,
-    softcap: float | None,
-    scale: float | None,
-    block_q: int | None,
-    block_k: int | None,
-    dropout_rate: float,
-    key: PRNGKeyArray | None,
+    q: Array, k: Array, v: Array, mask: Array | None, options: dict[str, Any],
+    dropout_rate: float, key: PRNGKeyArray | None,
 ) -> Array:
-    """Unbatched `(heads, seq_q, dim)` attention with an Equinox-style mask."""
+    """Unbatched `(heads, seq_q, dim)` attention with an Equinox-style mask; `options`
+    are `flash_attention`'s static keywords, as the module's fields hold them."""
     key_mask = attn_mask = None
     if mask is not None:
         if mask.ndim == 1:
@@ -110,19 +74,8 @@ def _attend(
         else:
             attn_mask = mask
     out, _ = flash_attention(
-        q,
-        k,
-        v,
-        key_mask,
-        attn_mask=attn_mask,
-        causal=causal,
-        window=window,
-        softcap=softcap,
-        scale=scale,
-        block_q=block_q,
-        block_k=block_k,
-        dropout_rate=dropout_rate,
-        key=key if dropout_rate else None,
+        q, k, v, key_mask, attn_mask=attn_mask, dropout_rate=dropout_rate,
+        key=key if dropout_rate else None, **options,
     )
     return out
 
@@ -137,7 +90,7 @@ class FlashAttention(eqx.Module):
     """
 
     causal: bool = eqx.field(static=True)
-    window: WindowArg = eqx.field(static=True)
+    window: WindowLike = eqx.field(static=True)
     softcap: float | None = eqx.field(static=True)
     scale: float | None = eqx.field(static=True)
     block_q: int | None = eqx.field(static=True)
@@ -149,13 +102,13 @@ class FlashAttention(eqx.Module):
     def __init__(
         self,
         *,
-        causal: bool = False,
-        window: WindowInput = None,
-        softcap: float | None = None,
-        scale: float | None = None,
-        block_q: int | None = None,
-        block_k: int | None = None,
-        dropout_p: float = 0.0,
+        causal: Flag = False,
+        window: WindowLike = None,
+        softcap: OptionalReal = None,
+        scale: OptionalReal = None,
+        block_q: BlockSize = None,
+        block_k: BlockSize = None,
+        dropout_p: RealNumber = 0.0,
         inference: bool = False,
     ):
         """**Arguments:**
@@ -179,9 +132,7 @@ class FlashAttention(eqx.Module):
         self.inference = inference
 
     def __check_init__(self):
-        _check_options(
-            self.causal, self.window, self.softcap, self.scale, self.block_q, self.block_k
-        )
+        make_options(**self._options())
         _check_dropout_p("dropout_p", self.dropout_p)
 
     @jaxtyped(typechecker=beartype)
@@ -211,11 +162,11 @@ class FlashAttention(eqx.Module):
         """
         inference = self.inference if inference is None else inference
         rate = _dropout_rate(self.dropout_p, inference, key)
-        return _attend(
-            q, k, v, mask, causal=self.causal, window=self.window, softcap=self.softcap,
-            scale=self.scale, block_q=self.block_q, block_k=self.block_k,
-            dropout_rate=rate, key=key,
-        )
+        return _attend(q, k, v, mask, self._options(), rate, key)
+
+    def _options(self) -> dict[str, Any]:
+        return dict(causal=self.causal, window=self.window, softcap=self.softcap,
+                    scale=self.scale, block_q=self.block_q, block_k=self.block_k)
 
 
 @typing.final
@@ -249,7 +200,7 @@ class FlashMultiheadAttention(eqx.Module):
     use_value_bias: bool = eqx.field(static=True)
     use_output_bias: bool = eqx.field(static=True)
     causal: bool = eqx.field(static=True)
-    window: WindowArg = eqx.field(static=True)
+    window: WindowLike = eqx.field(static=True)
     softcap: float | None = eqx.field(static=True)
     block_q: int | None = eqx.field(static=True)
     block_k: int | None = eqx.field(static=True)
@@ -267,16 +218,16 @@ class FlashMultiheadAttention(eqx.Module):
         use_key_bias: bool = False,
         use_value_bias: bool = False,
         use_output_bias: bool = False,
-        dropout_p: float = 0.0,
+        dropout_p: RealNumber = 0.0,
         inference: bool = False,
         dtype: Any = None,
         *,
         num_kv_heads: int | None = None,
-        causal: bool = False,
-        window: WindowInput = None,
-        softcap: float | None = None,
-        block_q: int | None = None,
-        block_k: int | None = None,
+        causal: Flag = False,
+        window: WindowLike = None,
+        softcap: OptionalReal = None,
+        block_q: BlockSize = None,
+        block_k: BlockSize = None,
         key: PRNGKeyArray,
     ):
         """**Arguments:**
@@ -348,10 +299,12 @@ class FlashMultiheadAttention(eqx.Module):
         _check_heads(self.num_heads, self.num_kv_heads)
         _check_sizes(**{name: getattr(self, name) for name in (
             "query_size", "key_size", "value_size", "output_size", "qk_size", "vo_size")})
-        _check_options(
-            self.causal, self.window, self.softcap, None, self.block_q, self.block_k
-        )
+        make_options(**self._options())
         _check_dropout_p("dropout_p", self.dropout.p)
+
+    def _options(self) -> dict[str, Any]:
+        return dict(causal=self.causal, window=self.window, softcap=self.softcap,
+                    block_q=self.block_q, block_k=self.block_k)
 
     @classmethod
     def from_eqx(
@@ -408,6 +361,7 @@ class FlashMultiheadAttention(eqx.Module):
         *,
         key: PRNGKeyArray | None = None,
         inference: bool | None = None,
+        deterministic: bool | None = None,
         process_heads: ProcessHeads | None = None,
     ) -> Float[Array, "seq_q output_size"]:
         """**Arguments:**
@@ -419,6 +373,8 @@ class FlashMultiheadAttention(eqx.Module):
             `(seq_q, seq_k)` or per head `(num_heads, seq_q, seq_k)`.
         - `key`: PRNG key for dropout (needed unless dropout is off).
         - `inference`: overrides `self.dropout.inference` for this call.
+        - `deterministic`: deprecated alias of `inference`, accepted (with a warning) as
+            `eqx.nn.MultiheadAttention` accepts it.
         - `process_heads`: as in Equinox, a function of the projected heads
             `(seq_q, num_heads, qk_size)`, `(seq_k, num_kv_heads, qk_size)`,
             `(seq_k, num_kv_heads, vo_size)` returning new heads of the same shapes
@@ -428,6 +384,13 @@ class FlashMultiheadAttention(eqx.Module):
 
         `(seq_q, output_size)`.
         """
+        if deterministic is not None:
+            inference = deterministic
+            warnings.warn(
+                "FlashMultiheadAttention()(deterministic=...) is deprecated in favour of "
+                "FlashMultiheadAttention()(inference=...)",
+                stacklevel=2,
+            )
         for name, x, size in (("query", query, self.query_size), ("key_", key_, self.key_size),
                               ("value", value, self.value_size)):
             if x.shape[-1] != size:
@@ -451,8 +414,7 @@ class FlashMultiheadAttention(eqx.Module):
             rate = _dropout_rate(self.dropout.p, inference, key)
             heads = _attend(
                 jnp.swapaxes(q, 0, 1), jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1), mask,
-                causal=self.causal, window=self.window, softcap=self.softcap, scale=None,
-                block_q=self.block_q, block_k=self.block_k, dropout_rate=rate, key=key,
+                self._options(), rate, key,
             )
             attn = jnp.swapaxes(heads, 0, 1).reshape(query.shape[0], -1)
             return jax.vmap(self.output_proj)(attn)

@@ -15,40 +15,39 @@ picks the variant at run time.
 import dataclasses
 import functools
 from collections.abc import Hashable
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, ArrayLike
+from beartype import beartype
+from jaxtyping import Array, jaxtyped
 
-from ._backward import backward
+from . import _softmax
+from ._backward import backward, prepare
 from ._compat import pcast_varying
-from ._config import KernelConfig, Window, stat_dtype
+from ._config import KernelConfig, kernel_config, stat_dtype
 from ._forward import forward
-from ._layout import Shapes, merge_heads, split_heads
 from ._masking import Masks
+from ._options import AttentionOptions, Window, make_options
 from ._schedule import block_schedule
-from ._validation import check_masks, check_qkv, make_config
-
-Layout = Literal["contiguous", "zigzag", "striped"]
-LAYOUTS: tuple[str, ...] = ("contiguous", "zigzag", "striped")
-
-
-def subchunks(layout: str) -> int:
-    """How many contiguous pieces of the global sequence one device holds."""
-    return 2 if layout == "zigzag" else 1
-
-
-def chunk_index(layout: str, num_devices: int, device: int, piece: int) -> int:
-    """Global chunk number of `piece` on `device` (chunks of `seq / (devices * pieces)`).
-
-    Zigzag gives device `i` chunks `i` and `2n - 1 - i`, so each device has one early and
-    one late chunk and causal work is even. (Striped is token-level, handled apart.)
-    """
-    if layout == "zigzag":
-        return device if piece == 0 else 2 * num_devices - 1 - device
-    return device
+from ._sequence_order import Layout, check_layout, chunk_index, subchunks
+from ._shapes import Shapes, merge_heads, split_heads
+from ._types import (
+    LSE,
+    BlockSize,
+    Flag,
+    Key,
+    KeyMask,
+    KeySegmentIds,
+    OptionalReal,
+    Output,
+    Query,
+    QuerySegmentIds,
+    Value,
+    WindowLike,
+)
+from ._validation import check_masks, check_qkv
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,8 +65,8 @@ class _Ring:
         return subchunks(self.layout)
 
 
-def _pair_config(ring: _Ring, a: int, s: int, b: int, t: int) -> KernelConfig | None:
-    """Kernel config for query piece `s` of device `a` against key piece `t` of device `b`:
+def _pair_config(ring: _Ring, a: int, qp: int, b: int, kp: int) -> KernelConfig | None:
+    """Kernel config for query piece `qp` of device `a` against key piece `kp` of device `b`:
     None if no pair attends, an unmasked config if all do, else a positioned one."""
     n, base = ring.num_devices, ring.base
     cq, ck, win = base.seq_q, base.seq_k, base.window
@@ -79,8 +78,8 @@ def _pair_config(ring: _Ring, a: int, s: int, b: int, t: int) -> KernelConfig | 
         window, offset = Window(left, right), ck - cq
     else:
         total = n * ring.pieces
-        gq = chunk_index(ring.layout, n, a, s)
-        gk = chunk_index(ring.layout, n, b, t)
+        gq = chunk_index(ring.layout, n, a, qp)
+        gk = chunk_index(ring.layout, n, b, kp)
         window, offset = win, gq * cq - gk * ck + total * (ck - cq)
     one_block = block_schedule(cq, ck, cq, ck, window, offset)
     if len(one_block.full):
@@ -96,17 +95,17 @@ def _plan(ring: _Ring) -> dict[tuple[int, int], tuple[tuple[KernelConfig | None,
     of which variant applies."""
     n = ring.num_devices
     plan = {}
-    for s in range(ring.pieces):
-        for t in range(ring.pieces):
+    for qp in range(ring.pieces):
+        for kp in range(ring.pieces):
             variants: list[KernelConfig | None] = []
             table = np.zeros((n, n), np.int32)
             for a in range(n):
                 for b in range(n):
-                    cfg = _pair_config(ring, a, s, b, t)
+                    cfg = _pair_config(ring, a, qp, b, kp)
                     if cfg not in variants:
                         variants.append(cfg)
                     table[a, b] = variants.index(cfg)
-            plan[(s, t)] = (tuple(variants), table)
+            plan[(qp, kp)] = (tuple(variants), table)
     return plan
 
 
@@ -157,25 +156,15 @@ def _forward_pair(cfg: KernelConfig | None, out, lse, q, k, v, masks):
     """Attend one chunk pair and merge it into the running normalised `(out, lse)`."""
     if cfg is None:
         return out, lse
-    part_out, part_lse = forward(cfg, q, k, v, masks, None)
-    top = jnp.maximum(lse, part_lse)
-    shift = jnp.where(top == -jnp.inf, 0.0, top)
-    w_old, w_new = jnp.exp(lse - shift), jnp.exp(part_lse - shift)
-    total = w_old + w_new
-    attended = total > 0
-    safe = jnp.where(attended, total, 1.0)
-    out = (out * w_old[..., None] + part_out.astype(out.dtype) * w_new[..., None]) / safe[
-        ..., None
-    ]
-    lse = jnp.where(attended, shift + jnp.log(safe), -jnp.inf)
-    return out, lse
+    return _softmax.merge(out, lse, *forward(cfg, q, k, v, masks, None))
 
 
-def _backward_pair(cfg: KernelConfig | None, grads, q, k, v, out, lse, d_out, d_lse, masks):
-    """One chunk pair's share of the gradients, given the merged `out` and `lse`."""
+def _backward_pair(cfg: KernelConfig | None, grads, q, k, v, lse, delta, d_out, masks):
+    """One chunk pair's share of the gradients, given the merged call's `lse` and `delta`
+    (`_backward.prepare`)."""
     if cfg is None:
         return grads
-    parts = backward(cfg, q, k, v, out, lse, d_out, d_lse, masks, None)
+    parts = backward(cfg, q, k, v, lse, delta, d_out, masks, None)
     return tuple(g + p.astype(g.dtype) for g, p in zip(grads, parts, strict=True))
 
 
@@ -196,18 +185,56 @@ def _ring_forward(ring: _Ring, q, k, v, masks):
         k, v, key_masks = here
         src = (me - i) % n
         out, lse = list(out), list(lse)
-        for s in range(m):
-            for t in range(m):
-                variants, table = plan[(s, t)]
+        for qp in range(m):
+            for kp in range(m):
+                variants, table = plan[(qp, kp)]
                 branches = [functools.partial(_forward_pair, cfg) for cfg in variants]
-                pair_masks = _pair_masks(masks[s], key_masks[t])
-                out[s], lse[s] = _dispatch(
-                    branches, table, me, src, out[s], lse[s], q[s], k[t], v[t], pair_masks
+                pair_masks = _pair_masks(masks[qp], key_masks[kp])
+                out[qp], lse[qp] = _dispatch(
+                    branches, table, me, src, out[qp], lse[qp], q[qp], k[kp], v[kp], pair_masks
                 )
         return (tuple(out), tuple(lse), nxt), None
 
     (out, lse, _), _ = jax.lax.scan(step, (out, lse, travelling), jnp.arange(n))
     return tuple(o.astype(x.dtype) for o, x in zip(out, q, strict=True)), lse
+
+
+def _ring_backward(ring: _Ring, q, k, v, lse, delta, d_out, masks):
+    """The mirror of `_ring_forward`: dq stays home, dk/dv travel with their chunk and are
+    back on its owner after a full turn. `lse` and `delta` come from `_backward.prepare`."""
+    n, m, plan = ring.num_devices, ring.pieces, _plan(ring)
+    me = jax.lax.axis_index(ring.axis_name)
+    stat = stat_dtype(q[0].dtype)
+    d_q = tuple(jnp.zeros(x.shape, stat) for x in q)
+    d_kv = (tuple(jnp.zeros(x.shape, stat) for x in k), tuple(jnp.zeros(x.shape, stat) for x in v))
+    d_q, d_kv = _vary((d_q, d_kv), (q, k, v, masks, lse, delta, d_out))
+    travelling = (k, v, tuple(_key_masks(x) for x in masks))
+
+    def step(carry, i):
+        d_q, here, d_kv = carry
+        nxt = _shift(here, ring)
+        k, v, key_masks = here
+        src = (me - i) % n
+        d_q, d_k, d_v = list(d_q), list(d_kv[0]), list(d_kv[1])
+        for qp in range(m):
+            for kp in range(m):
+                variants, table = plan[(qp, kp)]
+                branches = [functools.partial(_backward_pair, cfg) for cfg in variants]
+                pair_masks = _pair_masks(masks[qp], key_masks[kp])
+                d_q[qp], d_k[kp], d_v[kp] = _dispatch(
+                    branches, table, me, src, (d_q[qp], d_k[kp], d_v[kp]),
+                    q[qp], k[kp], v[kp], lse[qp], delta[qp], d_out[qp], pair_masks,
+                )
+        # dk/dv follow their chunk; after n shifts they are back on its owner.
+        d_kv = _shift((tuple(d_k), tuple(d_v)), ring)
+        return (tuple(d_q), nxt, d_kv), None
+
+    (d_q, _, (d_k, d_v)), _ = jax.lax.scan(step, (d_q, travelling, d_kv), jnp.arange(n))
+
+    def cast(grads, like):
+        return tuple(g.astype(x.dtype) for g, x in zip(grads, like, strict=True))
+
+    return cast(d_q, q), cast(d_k, k), cast(d_v, v)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -223,40 +250,10 @@ def _ring_attention_fwd(ring, q, k, v, masks):
 def _ring_attention_bwd(ring, residuals, cotangents):
     q, k, v, masks, out, lse = residuals
     d_out, d_lse = cotangents
-    n, m, plan = ring.num_devices, ring.pieces, _plan(ring)
-    me = jax.lax.axis_index(ring.axis_name)
-    stat = stat_dtype(q[0].dtype)
-    d_q = tuple(jnp.zeros(x.shape, stat) for x in q)
-    d_kv = (tuple(jnp.zeros(x.shape, stat) for x in k), tuple(jnp.zeros(x.shape, stat) for x in v))
-    d_q, d_kv = _vary((d_q, d_kv), (q, k, v, masks, out, lse, d_out, d_lse))
-    travelling = (k, v, tuple(_key_masks(x) for x in masks))
-
-    def step(carry, i):
-        d_q, here, d_kv = carry
-        nxt = _shift(here, ring)
-        k, v, key_masks = here
-        src = (me - i) % n
-        d_q, d_k, d_v = list(d_q), list(d_kv[0]), list(d_kv[1])
-        for s in range(m):
-            for t in range(m):
-                variants, table = plan[(s, t)]
-                branches = [functools.partial(_backward_pair, cfg) for cfg in variants]
-                pair_masks = _pair_masks(masks[s], key_masks[t])
-                d_q[s], d_k[t], d_v[t] = _dispatch(
-                    branches, table, me, src, (d_q[s], d_k[t], d_v[t]),
-                    q[s], k[t], v[t], out[s], lse[s], d_out[s], d_lse[s], pair_masks,
-                )
-        # dk/dv follow their chunk; after n shifts they are back on its owner.
-        d_kv = _shift((tuple(d_k), tuple(d_v)), ring)
-        return (tuple(d_q), nxt, d_kv), None
-
-    (d_q, _, (d_k, d_v)), _ = jax.lax.scan(step, (d_q, travelling, d_kv), jnp.arange(n))
-
-    def cast(grads, like):
-        return tuple(g.astype(x.dtype) for g, x in zip(grads, like, strict=True))
-
-    no_grad = jax.tree.map(lambda _: None, masks)
-    return cast(d_q, q), cast(d_k, k), cast(d_v, v), no_grad
+    # delta once per call, for the merged out and lse; every ring step reads it.
+    lse, delta = zip(*map(prepare, out, lse, d_out, d_lse), strict=True)
+    d_q, d_k, d_v = _ring_backward(ring, q, k, v, lse, delta, d_out, masks)
+    return d_q, d_k, d_v, jax.tree.map(lambda _: None, masks)
 
 
 _ring_attention.defvjp(_ring_attention_fwd, _ring_attention_bwd)
@@ -277,23 +274,24 @@ def _pieces(x: Array | None, axis: int, count: int, padded: int) -> tuple[Array 
     return tuple(out)
 
 
+@jaxtyped(typechecker=beartype)
 def ring_flash_attention(
-    q: ArrayLike,
-    k: ArrayLike,
-    v: ArrayLike,
-    mask: ArrayLike | None = None,
+    q: Query,
+    k: Key,
+    v: Value,
+    mask: KeyMask | None = None,
     *,
     axis_name: Hashable,
-    causal: bool = False,
-    window: int | tuple[int | None, int | None] | None = None,
-    q_segment_ids: ArrayLike | None = None,
-    kv_segment_ids: ArrayLike | None = None,
-    scale: float | None = None,
-    softcap: float | None = None,
-    block_q: int | None = None,
-    block_k: int | None = None,
+    causal: Flag = False,
+    window: WindowLike = None,
+    q_segment_ids: QuerySegmentIds | None = None,
+    kv_segment_ids: KeySegmentIds | None = None,
+    scale: OptionalReal = None,
+    softcap: OptionalReal = None,
+    block_q: BlockSize = None,
+    block_k: BlockSize = None,
     layout: Layout = "contiguous",
-) -> tuple[Array, Array]:
+) -> tuple[Output, LSE]:
     """Flash attention over a sequence sharded along mesh axis `axis_name`.
 
     Call it inside `jax.shard_map`, on each device's shard: the sequence axis (−2) of q,
@@ -320,9 +318,24 @@ def ring_flash_attention(
 
     Dropout and dense `attn_mask` are not supported on the ring.
     """
+    options = make_options(
+        causal=causal, window=window, scale=scale, softcap=softcap, block_q=block_q,
+        block_k=block_k,
+    )
+    return ring_attention(
+        q, k, v, mask, q_segment_ids, kv_segment_ids, axis_name=axis_name, layout=layout,
+        options=options,
+    )
+
+
+def ring_attention(
+    q: Any, k: Any, v: Any, mask: Any, q_segment_ids: Any, kv_segment_ids: Any, *,
+    axis_name: Hashable, layout: str, options: AttentionOptions,
+) -> tuple[Array, Array]:
+    """`ring_flash_attention` with validated options (`sharded_flash_attention` calls it
+    inside its `shard_map`)."""
+    check_layout(layout)
     q, k, v, shapes = check_qkv(q, k, v)
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}; got {layout!r}")
     masks = check_masks(shapes, mask, None, q_segment_ids, kv_segment_ids)
     try:
         n = jax.lax.axis_size(axis_name)
@@ -339,17 +352,8 @@ def ring_flash_attention(
                 f"must be divisible by {m}"
             )
     piece = dataclasses.replace(shapes, seq_q=shapes.seq_q // m, seq_k=shapes.seq_k // m)
-    cfg = make_config(
-        piece,
-        causal=causal,
-        window=window,
-        scale=scale,
-        softcap=softcap,
-        block_q=block_q,
-        block_k=block_k,
-        dropout_rate=0.0,
-    )
-    ring = _Ring(axis_name=axis_name, num_devices=n, layout=layout, base=cfg)
+    ring = _Ring(axis_name=axis_name, num_devices=n, layout=layout,
+                 base=kernel_config(options, piece))
     return _ring_internal(ring, q, k, v, masks, shapes)
 
 

@@ -11,9 +11,11 @@ from jaxtyping import Array, DTypeLike, Float, jaxtyped
 from ._config import stat_dtype
 
 
-def _output(result: Any) -> Array:
-    """Attention functions return `out` or `(out, lse, ...)`; take `out`."""
-    return result[0] if isinstance(result, tuple | list) else result
+def split_outputs(result: Any) -> tuple[Array, Array | None]:
+    """Attention functions return `out` or `(out, lse, ...)`: `(out, lse or None)`."""
+    if isinstance(result, tuple | list):
+        return result[0], (result[1] if len(result) > 1 else None)
+    return result, None
 
 
 @jaxtyped(typechecker=beartype)
@@ -51,7 +53,7 @@ def value_and_grad_difference(
 
     def call(fn, q, k, v):
         args = (q, k, v) if mask is None else (q, k, v, mask)
-        return _output(fn(*args, **attention_keywords))
+        return split_outputs(fn(*args, **attention_keywords))[0]
 
     def loss_and_out(fn):
         def loss(q, k, v):

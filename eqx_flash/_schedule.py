@@ -1,16 +1,24 @@
-"""Static schedules of the block pairs a kernel must visit.
+"""Which block pairs a kernel visits, and the loop that visits them.
 
 Causal and window masks are known at trace time, so the pairs they empty are never
 computed (forward or backward), and pairs they leave whole need no positional mask.
 The non-empty key blocks of a query block form one contiguous range (the mask is a band),
 and the whole ones a contiguous sub-range of it; `band_ranges` gives both per block.
+Segment ids narrow each band at run time (`segment_limits`); `over_band` folds a step
+over what remains.
 """
 
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Array
 
-from ._config import Window
+from ._config import KernelConfig
+from ._masking import Masks
+from ._options import Window
 
 
 class Schedule(NamedTuple):
@@ -18,10 +26,6 @@ class Schedule(NamedTuple):
 
     partial: np.ndarray  # some pairs in the block are masked by position or key padding
     full: np.ndarray  # every pair in the block attends positionally
-
-    @property
-    def num_pairs(self) -> int:
-        return len(self.partial) + len(self.full)
 
 
 def _pair_flags(
@@ -68,10 +72,6 @@ class Bands(NamedTuple):
     hi: np.ndarray
 
     @property
-    def num_pairs(self) -> int:
-        return int(np.sum(self.hi - self.lo))
-
-    @property
     def max_partial(self) -> int:
         return int(np.max(self.full_lo - self.lo + self.hi - self.full_hi, initial=0))
 
@@ -99,3 +99,63 @@ def band_ranges(
     if by == "k":
         nonempty, full = nonempty.T, full.T
     return _bands(nonempty, full)
+
+
+def segment_limits(cfg: KernelConfig, masks: Masks, by: str) -> tuple[Array, Array] | None:
+    """Per outer block, the inner blocks `[lo, hi)` that segment ids can let attend
+    (None without segment ids): a run-time refinement of the static band.
+
+    A query block can only share an id with a key block if their id ranges overlap, so
+    with sorted ids (packed documents) each block visits just the blocks of its own
+    documents, and work grows with document sizes rather than with seq². The test is
+    necessary, not sufficient (unsorted ids give a superset); the mask decides exactly.
+    """
+    qs, ks = masks.q_segment_ids, masks.kv_segment_ids
+    if qs is None or ks is None or qs.shape[-2] == 1 or ks.shape[-1] == 1:
+        return None
+
+    def block_ranges(ids: Array, seq: int, block: int) -> tuple[Array, Array]:
+        """(min, max) id of each block, `(num_blocks,)`, ignoring padded positions."""
+        ids = jnp.moveaxis(ids.reshape(ids.shape[0], -1), 1, 0)  # (seq_pad, groups|1)
+        real = (jnp.arange(ids.shape[0]) < seq)[:, None]
+        info = jnp.iinfo(ids.dtype)
+        lo = jnp.where(real, ids, info.max).reshape(-1, block * ids.shape[1]).min(axis=1)
+        hi = jnp.where(real, ids, info.min).reshape(-1, block * ids.shape[1]).max(axis=1)
+        return lo, hi
+
+    q_lo, q_hi = block_ranges(qs, cfg.seq_q, cfg.block_q)
+    k_lo, k_hi = block_ranges(ks, cfg.seq_k, cfg.block_k)
+    overlap = (k_lo[None, :] <= q_hi[:, None]) & (k_hi[None, :] >= q_lo[:, None])
+    if by == "k":
+        overlap = overlap.T
+    n_inner = overlap.shape[1]
+    any_ = overlap.any(axis=1)
+    lo = jnp.where(any_, jnp.argmax(overlap, axis=1), 0).astype(jnp.int32)
+    hi = jnp.where(any_, n_inner - jnp.argmax(overlap[:, ::-1], axis=1), 0).astype(jnp.int32)
+    return lo, hi
+
+
+def over_band(
+    bands: Bands, outer: Array, step: Callable[[Any, Array, bool], Any], carry: Any,
+    limits: tuple[Array, Array] | None = None,
+) -> Any:
+    """Fold `step(carry, inner_block, positional)` over the inner blocks of one outer
+    block: first the whole ones (no positional mask), then the partial ones at either end
+    of the band; all clipped to `limits` (`segment_limits`) if given. Trip counts are
+    dynamic, so every outer block shares one compiled loop."""
+    # The band's three runs: partial [lo, full_lo), whole [full_lo, full_hi), partial
+    # [full_hi, hi). Clipping every end into [seg_lo, seg_hi] intersects each run with it.
+    ends = [jnp.asarray(x)[outer] for x in bands]
+    if limits is not None:
+        ends = [jnp.clip(x, limits[0][outer], limits[1][outer]) for x in ends]
+    lo, full_lo, full_hi, hi = ends
+    if int(np.max(bands.full_hi - bands.full_lo, initial=0)) > 0:
+        carry = jax.lax.fori_loop(full_lo, full_hi, lambda j, c: step(c, j, False), carry)
+    if bands.max_partial > 0:
+        n_left = full_lo - lo
+
+        def partial(t, c):
+            return step(c, jnp.where(t < n_left, lo + t, full_hi + t - n_left), True)
+
+        carry = jax.lax.fori_loop(0, n_left + hi - full_hi, partial, carry)
+    return carry

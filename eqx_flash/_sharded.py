@@ -1,4 +1,4 @@
-"""Global-array entry point for ring attention, and the load-balancing sequence orders.
+"""Global-array entry point for ring attention.
 
 `sharded_flash_attention` takes and returns global arrays: it reorders the sequence for
 the chosen layout, runs `ring_flash_attention` under `jax.shard_map` over the sequence
@@ -11,85 +11,35 @@ from collections.abc import Hashable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+from beartype import beartype
 from jax.sharding import Mesh, PartitionSpec
-from jaxtyping import Array, ArrayLike
+from jaxtyping import Array, jaxtyped
 
-from ._ring import LAYOUTS, Layout, ring_flash_attention, subchunks
+from ._options import AttentionOptions, make_options
+from ._ring import ring_attention
+from ._sequence_order import (
+    Layout,
+    check_layout,
+    from_ring_layout,
+    ring_order,
+    to_ring_layout,
+    zigzag_in_map,
+)
+from ._types import (
+    LSE,
+    BlockSize,
+    Flag,
+    Key,
+    KeyMask,
+    KeySegmentIds,
+    OptionalReal,
+    Output,
+    Query,
+    QuerySegmentIds,
+    Value,
+    WindowLike,
+)
 from ._validation import check_masks, check_qkv
-
-
-def ring_order(seq_len: int, num_devices: int, layout: Layout) -> np.ndarray:
-    """Global positions in the order that makes contiguous sharding give each device its
-    part of `layout` (see `ring_flash_attention`): `x[..., ring_order(...), :]`.
-
-    **Arguments:**
-
-    - `seq_len`: length of the global sequence.
-    - `num_devices`: size of the ring (mesh axis).
-    - `layout`: `"contiguous"`, `"zigzag"` or `"striped"`.
-
-    **Returns:**
-
-    An `int` NumPy permutation of `range(seq_len)`.
-    """
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}; got {layout!r}")
-    chunks = num_devices * subchunks(layout)
-    if seq_len % chunks:
-        raise ValueError(
-            f"layout={layout!r} on {num_devices} devices cuts the sequence into {chunks} "
-            f"equal chunks; seq_len={seq_len} is not divisible by {chunks}"
-        )
-    positions = np.arange(seq_len)
-    if layout == "contiguous":
-        return positions
-    if layout == "striped":
-        # Device i gets tokens i, i + n, i + 2n, ...
-        return positions.reshape(-1, num_devices).T.reshape(-1)
-    pieces = positions.reshape(chunks, -1)
-    return np.concatenate(
-        [np.concatenate([pieces[i], pieces[chunks - 1 - i]]) for i in range(num_devices)]
-    )
-
-
-def _reorder(x: Array, num_devices: int, layout: Layout, axis: int, inverse: bool) -> Array:
-    # Reshapes, flips and transposes rather than a gather, so that XLA can move whole
-    # chunks between devices instead of gathering the sequence everywhere.
-    ring_order(x.shape[axis], num_devices, layout)  # validates
-    if layout == "contiguous":
-        return x
-    x = jnp.moveaxis(x, axis, -1)
-    lead, seq, n = x.shape[:-1], x.shape[-1], num_devices
-    if layout == "striped":
-        shape = (n, seq // n) if inverse else (seq // n, n)
-        x = jnp.swapaxes(x.reshape(*lead, *shape), -1, -2)
-    elif not inverse:
-        halves = x.reshape(*lead, 2, n, seq // (2 * n))
-        x = jnp.stack([halves[..., 0, :, :], jnp.flip(halves[..., 1, :, :], axis=-2)], axis=-2)
-    else:
-        pairs = x.reshape(*lead, n, 2, seq // (2 * n))
-        x = jnp.stack([pairs[..., 0, :], jnp.flip(pairs[..., 1, :], axis=-2)], axis=-3)
-    return jnp.moveaxis(x.reshape(*lead, seq), -1, axis)
-
-
-def to_ring_layout(
-    x: ArrayLike, *, num_devices: int, layout: Layout, axis: int = -2
-) -> Array:
-    """Reorder the sequence axis of a global array for `ring_flash_attention(layout=...)`:
-    the same as `jnp.take(x, ring_order(...), axis)`.
-
-    Shard the result contiguously over the ring's mesh axis. Use `axis=-1` for masks,
-    segment ids and `lse`.
-    """
-    return _reorder(jnp.asarray(x), num_devices, layout, axis, inverse=False)
-
-
-def from_ring_layout(
-    x: ArrayLike, *, num_devices: int, layout: Layout, axis: int = -2
-) -> Array:
-    """Undo `to_ring_layout` (e.g. on the gathered `out`, or `lse` with `axis=-1`)."""
-    return _reorder(jnp.asarray(x), num_devices, layout, axis, inverse=True)
 
 
 def _spec(ndim: int, placed: dict[int, Hashable | None]) -> PartitionSpec:
@@ -99,26 +49,27 @@ def _spec(ndim: int, placed: dict[int, Hashable | None]) -> PartitionSpec:
     return PartitionSpec(*axes)
 
 
+@jaxtyped(typechecker=beartype)
 def sharded_flash_attention(
-    q: ArrayLike,
-    k: ArrayLike,
-    v: ArrayLike,
-    mask: ArrayLike | None = None,
+    q: Query,
+    k: Key,
+    v: Value,
+    mask: KeyMask | None = None,
     *,
     mesh: Mesh,
     seq_axis: str,
     batch_axis: str | None = None,
     head_axis: str | None = None,
     layout: Layout | None = None,
-    causal: bool = False,
-    window: int | tuple[int | None, int | None] | None = None,
-    q_segment_ids: ArrayLike | None = None,
-    kv_segment_ids: ArrayLike | None = None,
-    scale: float | None = None,
-    softcap: float | None = None,
-    block_q: int | None = None,
-    block_k: int | None = None,
-) -> tuple[Array, Array]:
+    causal: Flag = False,
+    window: WindowLike = None,
+    q_segment_ids: QuerySegmentIds | None = None,
+    kv_segment_ids: KeySegmentIds | None = None,
+    scale: OptionalReal = None,
+    softcap: OptionalReal = None,
+    block_q: BlockSize = None,
+    block_k: BlockSize = None,
+) -> tuple[Output, LSE]:
     """`flash_attention` on global arrays, with the sequence sharded over `mesh`.
 
     **Arguments:**
@@ -139,15 +90,19 @@ def sharded_flash_attention(
 
     `(out, lse)` as `flash_attention` returns them, as global arrays sharded like q.
     """
+    options = make_options(
+        causal=causal, window=window, scale=scale, softcap=softcap, block_q=block_q,
+        block_k=block_k,
+    )
+    if layout is not None:
+        check_layout(layout)
     q, k, v, shapes = check_qkv(q, k, v)
-    if isinstance(window, list) and len(window) == 2:
-        window = (window[0], window[1])  # a static (hashable) argument below
     check_masks(shapes, mask, None, q_segment_ids, kv_segment_ids)  # clear shape errors
     if seq_axis not in mesh.shape:
         raise ValueError(f"seq_axis={seq_axis!r} is not an axis of the mesh {dict(mesh.shape)}")
     n = mesh.shape[seq_axis]
     if layout is None:
-        balanced = n > 1 and (causal or window is not None)
+        balanced = n > 1 and not options.window.is_unbounded
         fits = shapes.seq_q % (2 * n) == 0 and shapes.seq_k % (2 * n) == 0
         layout = "zigzag" if balanced and fits else "contiguous"
     for seq in (shapes.seq_q, shapes.seq_k):
@@ -171,19 +126,18 @@ def sharded_flash_attention(
         extras[name] = jnp.broadcast_to(x, (*lead, seq))
     return _sharded(
         q, k, v, extras, mesh=mesh, seq_axis=seq_axis, batch_axis=batch_axis,
-        head_axis=head_axis, layout=layout, causal=causal, window=window, scale=scale,
-        softcap=softcap, block_q=block_q, block_k=block_k,
+        head_axis=head_axis, layout=layout, options=options,
     )
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=(
-        "mesh", "seq_axis", "batch_axis", "head_axis", "layout", "causal", "window",
-        "scale", "softcap", "block_q", "block_k",
-    ),
+    static_argnames=("mesh", "seq_axis", "batch_axis", "head_axis", "layout", "options"),
 )
-def _sharded(q, k, v, extras, *, mesh, seq_axis, batch_axis, head_axis, layout, **kwargs):
+def _sharded(
+    q, k, v, extras, *, mesh, seq_axis, batch_axis, head_axis, layout,
+    options: AttentionOptions,
+):
     n = mesh.shape[seq_axis]
 
     def spec(x: Array, with_heads: bool) -> PartitionSpec:
@@ -213,19 +167,19 @@ def _sharded(q, k, v, extras, *, mesh, seq_axis, batch_axis, head_axis, layout, 
 
     def local(q, k, v, extras):
         if in_map:
-            q, k, v = (_zigzag(x, seq_axis, n, x.ndim - 2, inverse=False) for x in (q, k, v))
+            q, k, v = (zigzag_in_map(x, seq_axis, n, x.ndim - 2, inverse=False)
+                       for x in (q, k, v))
             extras = {
-                name: _zigzag(x, seq_axis, n, x.ndim - 1, inverse=False)
+                name: zigzag_in_map(x, seq_axis, n, x.ndim - 1, inverse=False)
                 for name, x in extras.items()
             }
-        out, lse = ring_flash_attention(
-            q, k, v, extras.get("mask"), axis_name=seq_axis, layout=layout,
-            q_segment_ids=extras.get("q_segment_ids"),
-            kv_segment_ids=extras.get("kv_segment_ids"), **kwargs,
+        out, lse = ring_attention(
+            q, k, v, extras.get("mask"), extras.get("q_segment_ids"),
+            extras.get("kv_segment_ids"), axis_name=seq_axis, layout=layout, options=options,
         )
         if in_map:
-            out = _zigzag(out, seq_axis, n, out.ndim - 2, inverse=True)
-            lse = _zigzag(lse, seq_axis, n, lse.ndim - 1, inverse=True)
+            out = zigzag_in_map(out, seq_axis, n, out.ndim - 2, inverse=True)
+            lse = zigzag_in_map(lse, seq_axis, n, lse.ndim - 1, inverse=True)
         return out, lse
 
     ring = jax.shard_map(
@@ -248,31 +202,3 @@ def _sharded(q, k, v, extras, *, mesh, seq_axis, batch_axis, head_axis, layout, 
         from_ring_layout(out, num_devices=n, layout=layout, axis=-2),
         from_ring_layout(lse, num_devices=n, layout=layout, axis=-1),
     )
-
-
-def _zigzag(x: Array, axis_name: Hashable, n: int, axis: int, inverse: bool) -> Array:
-    """Inside `shard_map`: contiguous shards to zigzag ones (device `i` holding chunks
-    `2i, 2i+1` to holding `i, 2n-1-i`), or back. Each device always holds one even and one
-    odd chunk, so one ppermute moves the even chunks and one the odd ones."""
-    me = jax.lax.axis_index(axis_name)
-    first, second = jnp.split(x, 2, axis=axis)
-
-    def home(chunk: int) -> int:  # device holding `chunk` in the zigzag layout
-        return chunk if chunk < n else 2 * n - 1 - chunk
-
-    if not inverse:
-        even = jax.lax.ppermute(first, axis_name, [(i, home(2 * i)) for i in range(n)])
-        odd = jax.lax.ppermute(second, axis_name, [(i, home(2 * i + 1)) for i in range(n)])
-        # Device d's first zigzag chunk is chunk d: the even one iff d is even.
-        d_even = me % 2 == 0
-        return jnp.concatenate(
-            [jnp.where(d_even, even, odd), jnp.where(d_even, odd, even)], axis=axis
-        )
-    d_even = me % 2 == 0
-    even, odd = jnp.where(d_even, first, second), jnp.where(d_even, second, first)
-    # Device d's even chunk is d or 2n-1-d, whichever is even; it goes to (chunk // 2).
-    even_chunk = [d if d % 2 == 0 else 2 * n - 1 - d for d in range(n)]
-    odd_chunk = [2 * n - 1 - c for c in even_chunk]
-    even = jax.lax.ppermute(even, axis_name, [(d, even_chunk[d] // 2) for d in range(n)])
-    odd = jax.lax.ppermute(odd, axis_name, [(d, odd_chunk[d] // 2) for d in range(n)])
-    return jnp.concatenate([even, odd], axis=axis)

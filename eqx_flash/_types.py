@@ -16,7 +16,7 @@ number of axes; mask leading axes broadcast against q's) is checked in `_validat
 which also runs when jaxtyping's checks are switched off.
 """
 
-from typing import TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
 from jaxtyping import Array, Bool, Float, Integer
@@ -37,7 +37,7 @@ Value: TypeAlias = (
 )
 
 # Masks and ids: the trailing axes are named; how the leading axes broadcast against
-# q's (the heads axis may be left out) is checked by `_layout.mask_to_internal`.
+# q's (the heads axis may be left out) is checked by `_shapes.mask_to_internal`.
 # Boolean, or integer where non-zero attends; a float mask is an error.
 KeyMask: TypeAlias = Bool[AnyArray, "... seq_k"] | Integer[AnyArray, "... seq_k"]
 PairMask: TypeAlias = (
@@ -51,7 +51,15 @@ Output: TypeAlias = (
 )
 LSE: TypeAlias = Float[Array, "*batch heads seq_q"] | Float[Array, " seq_q"]
 
-# The window's sides: an int `w` for `(w, w)`, or `(left, right)`; None is unbounded.
-WindowLike: TypeAlias = int | tuple[int | None, int | None] | None
-# beartype does not apply PEP 484's int-is-a-float rule, so say it explicitly.
-RealNumber: TypeAlias = float | int
+# The static options. Type checkers see their real types; at run time they admit anything,
+# because `_options.make_options` checks them, with one message per bad value that every
+# entry point shares (a beartype error would otherwise pre-empt it with another message).
+if TYPE_CHECKING:
+    Flag: TypeAlias = bool
+    RealNumber: TypeAlias = float | int  # beartype has no int-is-a-float rule: say it
+    OptionalReal: TypeAlias = float | int | None
+    # The window's sides: an int `w` for `(w, w)`, or `(left, right)`; None is unbounded.
+    WindowLike: TypeAlias = int | tuple[int | None, int | None] | None
+    BlockSize: TypeAlias = int | None
+else:
+    Flag = RealNumber = OptionalReal = WindowLike = BlockSize = Any

@@ -28,6 +28,7 @@ import numpy as np
 from jaxtyping import Array, DTypeLike
 
 from ._reference import plain_attention
+from ._sanity import split_outputs
 from ._sanity import value_and_grad_difference as value_and_grad_difference
 
 if TYPE_CHECKING:
@@ -294,19 +295,13 @@ def _accepts(fn: Callable[..., Any], name: str) -> bool:
     return any(p.kind is p.VAR_KEYWORD or p.name == name for p in params)
 
 
-def _split_outputs(result: Any) -> tuple[Array, Array | None]:
-    if isinstance(result, tuple | list):
-        return result[0], (result[1] if len(result) > 1 else None)
-    return result, None
-
-
 def _evaluate(fn, static, q, k, v, arrays, weights, grads: bool):
     """`out`, `lse` (or None) and, with `grads`, the gradients with respect to q, k, v of
     `sum(w * out) + sum(u * lse over its finite entries)` for `weights = (w, u)`."""
     kwargs = {**dict(static), **arrays}
 
     def call(q, k, v):
-        return _split_outputs(fn(q, k, v, **kwargs))
+        return split_outputs(fn(q, k, v, **kwargs))
 
     w, u = weights
     if not grads:

@@ -99,7 +99,7 @@ CASES = [
     Case("block-k-bool", {"block_k": True}, "block_k", T, T, blocks=True),
     Case("window-negative", {"window": -1}, "window", V, V),
     Case("window-right-negative", {"window": (2, -1)}, "window", V, V),
-    Case("window-triple", {"window": (1, 2, 3)}, "window", T, V),
+    Case("window-triple", {"window": (1, 2, 3)}, "window", T, T),
     Case("window-float", {"window": 2.0}, "window", T, T),
     Case("softcap-zero", {"softcap": 0.0}, "softcap", V, V),
     Case("softcap-negative", {"softcap": -1}, "softcap", V, V),

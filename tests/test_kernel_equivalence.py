@@ -163,9 +163,10 @@ def test_bfloat16(causal, low_precision_path):
 def test_segment_limits_follow_documents():
     """With packed documents, each block is scheduled against the blocks of its own
     documents only, so the work grows with document sizes, not with seq**2."""
-    from eqx_flash._blocks import segment_limits
-    from eqx_flash._config import KernelConfig, Window
+    from eqx_flash._config import KernelConfig
     from eqx_flash._masking import Masks
+    from eqx_flash._options import Window
+    from eqx_flash._schedule import segment_limits
 
     seq, block, doc = 256, 16, 64  # 4 documents of 4 blocks each, then a padded block
     ids = jnp.arange(seq + block) // doc

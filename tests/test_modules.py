@@ -312,6 +312,24 @@ def test_inference_switch(getkey):
                                ours(q, k, v, key=drop_key))
 
 
+def test_deprecated_deterministic_keyword(getkey):
+    """`deterministic=` is accepted as `eqx.nn.MultiheadAttention` accepts it: as
+    `inference=`, with a warning."""
+    model_key, drop_key = getkey(), getkey()
+    ours = FlashMultiheadAttention(4, 16, dropout_p=0.5, key=model_key)
+    theirs = eqx.nn.MultiheadAttention(4, 16, dropout_p=0.5, key=model_key)
+    q, k, v = _inputs(getkey())
+    with pytest.warns(UserWarning, match="deterministic"):
+        out = ours(q, k, v, deterministic=True)
+    with pytest.warns(UserWarning, match="deterministic"):
+        expected = theirs(q, k, v, deterministic=True)
+    np.testing.assert_allclose(out, ours(q, k, v, inference=True))
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+    with pytest.warns(UserWarning, match="deterministic"):
+        dropped = ours(q, k, v, key=drop_key, deterministic=False)
+    np.testing.assert_array_equal(dropped, ours(q, k, v, key=drop_key))
+
+
 # --- FlashAttention ---
 
 

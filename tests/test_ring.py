@@ -159,7 +159,8 @@ def test_ring_outside_shard_map():
 def test_causal_work_is_balanced():
     """Kernel calls per device over a causal ring: zigzag and striped give every device
     the same work (fully masked chunk pairs skipped), contiguous does not."""
-    from eqx_flash._config import KernelConfig, Window
+    from eqx_flash._config import KernelConfig
+    from eqx_flash._options import Window
     from eqx_flash._ring import _plan, _Ring
 
     n, chunk = 4, 32

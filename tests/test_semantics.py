@@ -134,3 +134,20 @@ def test_value_and_grad_difference_detects_a_difference():
                                             q_seq_len=32, k_seq_len=48, dim=16, kv_heads=1,
                                             causal=True)
     assert float(diff) < 1e-5 and max(float(g) for g in grads) < 1e-4
+
+
+def test_reference_does_not_trip_debug_infs():
+    """Masked keys never form an -inf (or NaN) inside `plain_attention`, run op by op with
+    `jax_debug_infs` on; only the documented lse = -inf of an empty row may appear."""
+    q, k, v = (jnp.asarray(np.random.default_rng(i).standard_normal((2, 8, 4)), jnp.float32)
+               for i in range(3))
+    mask = jnp.asarray([[True] * 6 + [False] * 2, [True] * 8])
+    with jax.debug_infs(True):
+        out, lse = plain_attention(q, k, v, mask, causal=True)
+        jax.grad(lambda q: plain_attention(q, k, v, mask, causal=True)[0].sum())(q)
+    ref_out, ref_lse = flash_attention(q, k, v, mask, causal=True)
+    np.testing.assert_allclose(out, ref_out, atol=2e-6)
+    np.testing.assert_allclose(lse, ref_lse, atol=2e-6)
+    empty = jnp.zeros((2, 8), bool).at[1].set(True)  # batch 0: every key masked
+    with pytest.raises(FloatingPointError), jax.debug_infs(True):
+        plain_attention(q, k, v, empty)  # its lse is -inf, as documented

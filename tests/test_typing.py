@@ -156,7 +156,7 @@ def test_internal_functions_are_checked_in_tests():
     function of the package during the test suite, not just the public ones."""
     float_positions = jnp.arange(4.0)[:, None]
     int_positions = jnp.arange(4)[None, :]
-    window = eqx_flash._config.Window()
+    window = eqx_flash._options.Window()
     with pytest.raises(jaxtyping.TypeCheckError, match="q_pos"):
         _masking.positional_mask(float_positions, int_positions, 0, 4, window)
 

@@ -1,4 +1,4 @@
-"""Canonical internal layout: any `(*batch, [heads,] seq, dim)` problem as five fixed axes.
+"""Array shapes: the problem's sizes (`Shapes`), and the internal five-axis layout.
 
 Internally q is `(batch, kv_heads, groups, seq_q, dim)` and k, v are
 `(batch, kv_heads, seq_k, dim)`: grouped-query heads sit on their kv head, so k and v are
@@ -92,22 +92,22 @@ def shapes_of(q: Array, k: Array, v: Array) -> Shapes:
     return Shapes(tuple(batch_shape), heads, kv_heads, seq_q, seq_k, dim, dim_v, True)
 
 
-def split_heads(q: Array, k: Array, v: Array, s: Shapes) -> tuple[Array, Array, Array]:
-    q = q.reshape(s.batch, s.kv_heads, s.groups, s.seq_q, s.dim)
-    k = k.reshape(s.batch, s.kv_heads, s.seq_k, s.dim)
-    v = v.reshape(s.batch, s.kv_heads, s.seq_k, s.dim_v)
+def split_heads(q: Array, k: Array, v: Array, shapes: Shapes) -> tuple[Array, Array, Array]:
+    q = q.reshape(shapes.batch, shapes.kv_heads, shapes.groups, shapes.seq_q, shapes.dim)
+    k = k.reshape(shapes.batch, shapes.kv_heads, shapes.seq_k, shapes.dim)
+    v = v.reshape(shapes.batch, shapes.kv_heads, shapes.seq_k, shapes.dim_v)
     return q, k, v
 
 
-def merge_heads(out: Array, lse: Array, s: Shapes) -> tuple[Array, Array]:
-    lead = s.lead_shape
-    return out.reshape(*lead, s.seq_q, s.dim_v), lse.reshape(*lead, s.seq_q)
+def merge_heads(out: Array, lse: Array, shapes: Shapes) -> tuple[Array, Array]:
+    lead = shapes.lead_shape
+    return out.reshape(*lead, shapes.seq_q, shapes.dim_v), lse.reshape(*lead, shapes.seq_q)
 
 
 MaskKind = Literal["keys", "queries", "pairs"]
 
 
-def mask_to_internal(x: Array, s: Shapes, kind: MaskKind, name: str) -> Array:
+def mask_to_internal(x: Array, shapes: Shapes, kind: MaskKind, name: str) -> Array:
     """Bring a mask or ids array to `(batch|1, kv_heads|1, groups|1, seq_q|1, seq_k|1)`.
 
     `keys`/`queries` arrays are `(*lead, seq)` and may omit the heads axis (seed style:
@@ -115,16 +115,16 @@ def mask_to_internal(x: Array, s: Shapes, kind: MaskKind, name: str) -> Array:
     NumPy broadcasting against `(*batch, heads, seq_q, seq_k)`.
     """
     trailing = 2 if kind == "pairs" else 1
-    target_lead = s.lead_shape
+    target_lead = shapes.lead_shape
     if kind == "pairs":
-        expected = f"broadcastable to {(*target_lead, s.seq_q, s.seq_k)}"
+        expected = f"broadcastable to {(*target_lead, shapes.seq_q, shapes.seq_k)}"
     else:
-        seq = s.seq_k if kind == "keys" else s.seq_q
+        seq = shapes.seq_k if kind == "keys" else shapes.seq_q
         expected = f"(*batch, [heads,] {seq}) with leading axes broadcastable to {target_lead}"
     if x.ndim < trailing:
         raise ValueError(f"{name} must have shape {expected}; got {name}.shape={x.shape}")
     lead, tail = x.shape[: x.ndim - trailing], x.shape[x.ndim - trailing :]
-    if kind != "pairs" and s.has_heads_axis and len(lead) < len(target_lead):
+    if kind != "pairs" and shapes.has_heads_axis and len(lead) < len(target_lead):
         lead = (*lead, 1)  # no heads axis given: shared by all heads
     if len(lead) > len(target_lead):
         raise ValueError(f"{name} must have shape {expected}; got {name}.shape={x.shape}")
@@ -132,22 +132,22 @@ def mask_to_internal(x: Array, s: Shapes, kind: MaskKind, name: str) -> Array:
     if any(a not in (1, b) for a, b in zip(lead, target_lead, strict=True)):
         raise ValueError(f"{name} must have shape {expected}; got {name}.shape={x.shape}")
     if kind == "keys":
-        tail_ok, tail = tail == (s.seq_k,), (1, s.seq_k)
+        tail_ok, tail = tail == (shapes.seq_k,), (1, shapes.seq_k)
     elif kind == "queries":
-        tail_ok, tail = tail == (s.seq_q,), (s.seq_q, 1)
+        tail_ok, tail = tail == (shapes.seq_q,), (shapes.seq_q, 1)
     else:
-        tail_ok = tail[0] in (1, s.seq_q) and tail[1] in (1, s.seq_k)
+        tail_ok = tail[0] in (1, shapes.seq_q) and tail[1] in (1, shapes.seq_k)
     if not tail_ok:
         raise ValueError(f"{name} must have shape {expected}; got {name}.shape={x.shape}")
     x = x.reshape(*lead, *tail)
-    if not s.has_heads_axis:
+    if not shapes.has_heads_axis:
         return x.reshape(1, 1, 1, *tail)
     batch_lead, head = lead[:-1], lead[-1]
     if all(n == 1 for n in batch_lead):
         x = x.reshape(1, head, *tail)
     else:
-        x = jnp.broadcast_to(x, (*s.batch_shape, head, *tail))
-        x = x.reshape(s.batch, head, *tail)
+        x = jnp.broadcast_to(x, (*shapes.batch_shape, head, *tail))
+        x = x.reshape(shapes.batch, head, *tail)
     if head == 1:
         return x.reshape(x.shape[0], 1, 1, *tail)
-    return x.reshape(x.shape[0], s.kv_heads, s.groups, *tail)
+    return x.reshape(x.shape[0], shapes.kv_heads, shapes.groups, *tail)

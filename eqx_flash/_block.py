@@ -1,0 +1,133 @@
+"""What the kernels compute on one block: its logits, which of its pairs attend, and its
+dropout multiplier.
+
+A query block is `(groups, block_q, ...)`: the query heads of one kv head folded into the
+rows (see `_heads`). The backward kernel works on transposed blocks
+`(block_k, groups * block_q)`; `transposed` brings any per-block array into that form.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array
+
+from ._config import KernelConfig, stat_dtype
+from ._heads import Head
+from ._masking import Masks, data_mask, dropout_keep, positional_mask
+
+
+def rows(x: Array, start: Array, size: int, axis: int) -> Array:
+    return jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
+
+
+def folds_scale(dtype: jnp.dtype) -> bool:
+    """Whether the scale is folded into q (one pass over q instead of one per logit).
+
+    Only for float32/float64: in bfloat16/float16, `q * scale` would round every query
+    and shift the lse by up to one low-precision step, so those scale the float32 logits.
+    """
+    return jnp.dtype(dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.float64))
+
+
+def scaled(cfg: KernelConfig, q: Array) -> Array:
+    """q ready for `logits`: multiplied by the scale where `folds_scale` says so."""
+    return q * jnp.asarray(cfg.scale, q.dtype) if folds_scale(q.dtype) else q
+
+
+def matmul(a: Array, b: Array, spec: str, dtype: jnp.dtype) -> Array:
+    """One block product with the query groups folded into the rows: `a` is
+    `(groups, block_q, x)` and `b` 2-d; one 2-d dot, the fastest form on CPU."""
+    groups, rows_ = a.shape[:2]
+    out = jnp.einsum(spec, a.reshape(groups * rows_, a.shape[2]), b,
+                     preferred_element_type=dtype)
+    return out.reshape(groups, rows_, out.shape[-1])
+
+
+def logits(cfg: KernelConfig, q_blk: Array, k_blk: Array) -> tuple[Array, Array | None]:
+    """Logits `(groups, block_q, block_k)` in the statistics dtype, from queries passed
+    through `scaled` (so the scale is applied once, wherever `scaled` put it).
+
+    Returns `(s, tanh)`: the capped logits and, with a softcap, the tanh the backward
+    pass needs for the cap's derivative.
+    """
+    stat = stat_dtype(q_blk.dtype)
+    return _scale_and_cap(cfg, matmul(q_blk, k_blk, "qd,kd->qk", stat), q_blk.dtype)
+
+
+def logits_t(cfg: KernelConfig, k_blk: Array, q_cols: Array) -> tuple[Array, Array | None]:
+    """`logits` transposed, `(block_k, groups * block_q)`, from a key block `(block_k, d)`
+    and the transposed query block `(d, groups * block_q)`."""
+    stat = stat_dtype(q_cols.dtype)
+    s = jnp.matmul(k_blk, q_cols, preferred_element_type=stat)
+    return _scale_and_cap(cfg, s, q_cols.dtype)
+
+
+def _scale_and_cap(cfg: KernelConfig, s: Array, dtype: jnp.dtype) -> tuple[Array, Array | None]:
+    stat = s.dtype
+    if not folds_scale(dtype):
+        s = s * jnp.asarray(cfg.scale, stat)
+    if cfg.softcap is None:
+        return s, None
+    cap = jnp.asarray(cfg.softcap, stat)
+    t = jnp.tanh(s * (1.0 / cap))
+    return cap * t, t
+
+
+def positions(cfg: KernelConfig, q_start: Array, k_start: Array) -> tuple[Array, Array]:
+    """Query and key positions of one block, shaped to broadcast against `(g, q, k)`."""
+    q_pos = q_start + jnp.arange(cfg.block_q, dtype=jnp.int32).reshape(1, -1, 1)
+    k_pos = k_start + jnp.arange(cfg.block_k, dtype=jnp.int32).reshape(1, 1, -1)
+    return q_pos, k_pos
+
+
+def allowed(
+    cfg: KernelConfig, masks: Masks, q_start: Array, k_start: Array, positional: bool
+) -> Array | None:
+    """Which pairs of the block attend, `(groups|1, block_q|1, block_k)` (None: all)."""
+    mask = data_mask(masks, q_start, k_start, cfg.block_q, cfg.block_k)
+    if positional:
+        q_pos, k_pos = positions(cfg, q_start, k_start)
+        pos = positional_mask(q_pos, k_pos, cfg.offset, cfg.seq_k, cfg.window)
+        mask = pos if mask is None else mask & pos
+    return mask
+
+
+def dropout_multiplier(
+    cfg: KernelConfig, seed: Array | None, head: Head, q_start: Array, k_start: Array,
+    dtype: jnp.dtype,
+) -> Array | None:
+    """`keep / (1 - rate)` for one block, `(groups, block_q, block_k)` (None without
+    dropout)."""
+    if seed is None or cfg.dropout_rate == 0.0:
+        return None
+    q_pos, k_pos = positions(cfg, q_start, k_start)
+    keep = dropout_keep(seed, head.head_ids, q_pos, k_pos, cfg.dropout_rate)
+    return jnp.where(keep, jnp.asarray(1.0 / (1.0 - cfg.dropout_rate), dtype),
+                     jnp.asarray(0.0, dtype))
+
+
+def transposed(x: Array | None, groups: int, block_q: int) -> Array | None:
+    """A per-block array `(groups|1, block_q|1, block_k|1)` in the layout of the
+    transposed logits, `(block_k|1, groups * block_q|1)`, broadcasting where it did."""
+    if x is None:
+        return None
+    x = jnp.moveaxis(x, -1, 0)  # (block_k|1, groups|1, block_q|1)
+    if x.shape[1:] == (1, 1):
+        return x.reshape(x.shape[0], 1)
+    x = jnp.broadcast_to(x, (x.shape[0], groups, block_q))
+    return x.reshape(x.shape[0], groups * block_q)
+
+
+def skip_if_empty(
+    mask: Array | None, has_data_mask: bool, compute: Callable[[Any], Any], carry: Any
+) -> Any:
+    """`compute(carry)`, unless the data masks empty the block (then `carry` unchanged).
+
+    Causal and window emptiness is handled statically by the schedule; this catches
+    blocks emptied by padding masks and segment ids at run time.
+    """
+    if mask is None or not has_data_mask:
+        return compute(carry)
+    return jax.lax.cond(jnp.any(mask), compute, lambda c: c, carry)

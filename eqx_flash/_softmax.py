@@ -1,0 +1,70 @@
+"""Softmax statistics: the online update over key blocks, the finish, and merging partial
+results.
+
+The one definition of "a row that attended nothing gets out = 0 and lse = -inf", shared by
+the kernels, the reference and the ring.
+"""
+
+from typing import NamedTuple
+
+import jax.numpy as jnp
+from jaxtyping import Array
+
+
+class Running(NamedTuple):
+    """Online-softmax state of a block of query rows: `acc = sum_j exp(s_j - row_max) v_j`
+    and `row_sum = sum_j exp(s_j - row_max)` over the keys seen so far."""
+
+    acc: Array  # (..., rows, dim_v)
+    row_max: Array  # (..., rows)
+    row_sum: Array  # (..., rows)
+
+
+def start(like: Array, acc_shape: tuple[int, ...], dtype: jnp.dtype) -> Running:
+    """The state before any key. `*_like(like)`: under shard_map the state must vary
+    across devices as the inputs do.
+
+    The running max starts at a finite floor: a row that sees no key keeps it, and
+    `exp(-inf - floor) = 0`, `exp(floor - floor) = 1`, so no -inf guard is needed.
+    """
+    floor = jnp.asarray(jnp.finfo(dtype).min, dtype)
+    return Running(
+        jnp.zeros_like(like, dtype, shape=acc_shape),
+        jnp.full_like(like, floor, dtype, shape=acc_shape[:-1]),
+        jnp.zeros_like(like, dtype, shape=acc_shape[:-1]),
+    )
+
+
+def rescale(state: Running, s: Array) -> tuple[Array, Array, Array, Array]:
+    """Take in logits `s` `(..., rows, keys)` (masked entries -inf): returns `p`
+    (the block's weights against the new max), the factor `alpha` that rescales the
+    old accumulators, and the new `row_max` and `row_sum`."""
+    new_max = jnp.maximum(state.row_max, s.max(axis=-1))
+    p = jnp.exp(s - new_max[..., None])
+    alpha = jnp.exp(state.row_max - new_max)
+    return p, alpha, new_max, alpha * state.row_sum + p.sum(axis=-1)
+
+
+def finish(acc: Array, row_max: Array, row_sum: Array) -> tuple[Array, Array]:
+    """`(out, lse)` from unnormalised accumulators: `out = acc / row_sum`,
+    `lse = row_max + log(row_sum)`; a row with `row_sum == 0` gets 0 and -inf."""
+    attended = row_sum > 0
+    safe_sum = jnp.where(attended, row_sum, 1.0)
+    out = jnp.where(attended[..., None], acc / safe_sum[..., None], 0.0)
+    lse = jnp.where(attended, row_max + jnp.log(safe_sum), -jnp.inf)
+    return out, lse
+
+
+def merge(out: Array, lse: Array, part_out: Array, part_lse: Array) -> tuple[Array, Array]:
+    """Combine two normalised partial results over disjoint key sets by their lse."""
+    top = jnp.maximum(lse, part_lse)
+    shift = jnp.where(top == -jnp.inf, 0.0, top)
+    w_old, w_new = jnp.exp(lse - shift), jnp.exp(part_lse - shift)
+    acc = out * w_old[..., None] + part_out.astype(out.dtype) * w_new[..., None]
+    return finish(acc, shift, w_old + w_new)
+
+
+def finite_lse(lse: Array) -> Array:
+    """lse with -inf (rows that attended nothing) replaced by 0: any finite shift gives
+    `exp(masked logit - lse) = 0` there, where -inf would give NaN."""
+    return jnp.where(lse == -jnp.inf, 0.0, lse)
