@@ -4,6 +4,7 @@ newest; everything else the package uses is common to all of them.
 | here | newest jax | jax 0.7.x |
 | --- | --- | --- |
 | `pcast_varying(x, axes)` | `lax.pcast(x, axes, to="varying")` | `lax.pvary(x, axes)` |
+| `varying_axes(x)` | `jax.typeof(x).manual_axis_type.varying` | `jax.typeof(x).vma` |
 
 `jax.shard_map(..., check_vma=)`, `jax.typeof`, `jax.lax.axis_size` and `jax.tree.*`
 exist under these names from jax 0.7.0 on, so they are used directly. Below 0.7.0
@@ -24,3 +25,13 @@ def pcast_varying(x: Array, axes: tuple[Hashable, ...]) -> Array:
         return jax.lax.pcast(x, axes, to="varying")
     # Older jax: the same operation under its former name (gone from new jax).
     return jax.lax.pvary(x, axes)  # pyright: ignore[reportAttributeAccessIssue]
+
+
+def varying_axes(x: Array) -> frozenset[Hashable]:
+    """The manual mesh axes `x` varies over inside `shard_map` with `check_vma=True`
+    (empty outside `shard_map` or with `check_vma=False`)."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)
+    if manual is not None:
+        return frozenset(manual.varying)
+    return frozenset(getattr(aval, "vma", ()))  # older jax: the same set, named `vma`

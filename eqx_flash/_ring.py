@@ -25,7 +25,7 @@ from jaxtyping import Array, jaxtyped
 
 from . import _softmax
 from ._backward import backward, prepare
-from ._compat import pcast_varying
+from ._compat import pcast_varying, varying_axes
 from ._config import KernelConfig, kernel_config, stat_dtype
 from ._forward import forward
 from ._masking import Masks
@@ -126,8 +126,7 @@ def _varying_axes(tree) -> tuple:
     """Manual mesh axes any leaf varies over (inside `shard_map` with `check_vma=True`)."""
     axes = set()
     for x in jax.tree.leaves(tree):
-        manual = getattr(jax.typeof(x), "manual_axis_type", None)
-        axes |= set(getattr(manual, "varying", ()))
+        axes |= varying_axes(x)
     return tuple(sorted(axes, key=str))
 
 
