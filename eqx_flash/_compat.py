@@ -7,9 +7,9 @@ newest; everything else the package uses is common to all of them.
 | `varying_axes(x)` | `jax.typeof(x).manual_axis_type.varying` | `jax.typeof(x).vma` |
 
 `jax.shard_map(..., check_vma=)`, `jax.typeof`, `jax.lax.axis_size` and `jax.tree.*`
-exist under these names from jax 0.7.0 on, so they are used directly. Below 0.7.0
-`jax.shard_map` and `jax.lax.axis_size` do not exist: the floor is there (see the README's
-"Supported versions").
+exist under these names from jax 0.6.1 on, so they are used directly. The floor is 0.7.0
+because on 0.6.x `zeros_like` drops the varying mesh axes, so the kernels' accumulators
+break `shard_map(check_vma=True)` (see the README's "Supported versions").
 """
 
 from collections.abc import Hashable
