@@ -16,6 +16,7 @@ from jaxtyping import Array
 from ._config import KernelConfig, stat_dtype
 from ._heads import Head
 from ._masking import Masks, data_mask, dropout_keep, positional_mask
+from ._scores import additive
 
 
 def rows(x: Array, start: Array, size: int, axis: int) -> Array:
@@ -45,29 +46,39 @@ def matmul(a: Array, b: Array, spec: str, dtype: jnp.dtype) -> Array:
     return out.reshape(groups, rows_, out.shape[-1])
 
 
-def logits(cfg: KernelConfig, q_blk: Array, k_blk: Array) -> tuple[Array, Array | None]:
+def logits(
+    cfg: KernelConfig, q_blk: Array, k_blk: Array, add: Array | None
+) -> tuple[Array, Array | None]:
     """Logits `(groups, block_q, block_k)` in the statistics dtype, from queries passed
-    through `scaled` (so the scale is applied once, wherever `scaled` put it).
+    through `scaled` (so the scale is applied once, wherever `scaled` put it), plus the
+    score terms `add` (`score_terms`), then soft-capped.
 
     Returns `(s, tanh)`: the capped logits and, with a softcap, the tanh the backward
     pass needs for the cap's derivative.
     """
     stat = stat_dtype(q_blk.dtype)
-    return _scale_and_cap(cfg, matmul(q_blk, k_blk, "qd,kd->qk", stat), q_blk.dtype)
+    s = matmul(q_blk, k_blk, "qd,kd->qk", stat)
+    return _scale_and_cap(cfg, s, q_blk.dtype, add)
 
 
-def logits_t(cfg: KernelConfig, k_blk: Array, q_cols: Array) -> tuple[Array, Array | None]:
+def logits_t(
+    cfg: KernelConfig, k_blk: Array, q_cols: Array, add_t: Array | None
+) -> tuple[Array, Array | None]:
     """`logits` transposed, `(block_k, groups * block_q)`, from a key block `(block_k, d)`
-    and the transposed query block `(d, groups * block_q)`."""
+    and the transposed query block `(d, groups * block_q)`; `add_t` is `transposed`."""
     stat = stat_dtype(q_cols.dtype)
     s = jnp.matmul(k_blk, q_cols, preferred_element_type=stat)
-    return _scale_and_cap(cfg, s, q_cols.dtype)
+    return _scale_and_cap(cfg, s, q_cols.dtype, add_t)
 
 
-def _scale_and_cap(cfg: KernelConfig, s: Array, dtype: jnp.dtype) -> tuple[Array, Array | None]:
+def _scale_and_cap(
+    cfg: KernelConfig, s: Array, dtype: jnp.dtype, add: Array | None
+) -> tuple[Array, Array | None]:
     stat = s.dtype
     if not folds_scale(dtype):
         s = s * jnp.asarray(cfg.scale, stat)
+    if add is not None:
+        s = s + add
     if cfg.softcap is None:
         return s, None
     cap = jnp.asarray(cfg.softcap, stat)
@@ -80,6 +91,17 @@ def positions(cfg: KernelConfig, q_start: Array, k_start: Array) -> tuple[Array,
     q_pos = q_start + jnp.arange(cfg.block_q, dtype=jnp.int32).reshape(1, -1, 1)
     k_pos = k_start + jnp.arange(cfg.block_k, dtype=jnp.int32).reshape(1, 1, -1)
     return q_pos, k_pos
+
+
+def score_terms(
+    cfg: KernelConfig, head: Head, q_start: Array, k_start: Array, dtype: jnp.dtype
+) -> Array | None:
+    """The bias/ALiBi term of one block, `(groups|1, block_q|1, block_k|1)` (None: none)."""
+    if head.mods.is_empty:
+        return None
+    q_pos, k_pos = positions(cfg, q_start, k_start)
+    return additive(head.mods, q_start, k_start, q_pos, k_pos, cfg.offset, cfg.block_q,
+                    cfg.block_k, dtype)
 
 
 def allowed(

@@ -22,9 +22,12 @@ from ._config import KernelConfig, kernel_config, kernel_dtype
 from ._forward import forward
 from ._masking import Masks, dropout_seed
 from ._options import make_options
+from ._scores import ScoreMods
 from ._shapes import Shapes, merge_heads, split_heads
 from ._types import (
     LSE,
+    AlibiSlopes,
+    Bias,
     BlockSize,
     Flag,
     Key,
@@ -39,25 +42,26 @@ from ._types import (
     Value,
     WindowLike,
 )
-from ._validation import check_dropout_key, check_masks, check_qkv
+from ._validation import check_dropout_key, check_masks, check_qkv, check_score_mods
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(cfg: KernelConfig, q, k, v, masks: Masks, seed):
-    return forward(cfg, q, k, v, masks, seed)
+def _attention(cfg: KernelConfig, q, k, v, mods: ScoreMods, masks: Masks, seed):
+    return forward(cfg, q, k, v, mods, masks, seed)
 
 
-def _attention_fwd(cfg, q, k, v, masks, seed):
-    out, lse = forward(cfg, q, k, v, masks, seed)
-    return (out, lse), (q, k, v, out, lse, masks, seed)
+def _attention_fwd(cfg, q, k, v, mods, masks, seed):
+    out, lse = forward(cfg, q, k, v, mods, masks, seed)
+    return (out, lse), (q, k, v, mods, out, lse, masks, seed)
 
 
 def _attention_bwd(cfg, residuals, cotangents):
-    q, k, v, out, lse, masks, seed = residuals
+    q, k, v, mods, out, lse, masks, seed = residuals
     lse, delta = prepare(out, lse, *cotangents)
-    d_q, d_k, d_v = backward(cfg, q, k, v, lse, delta, cotangents[0], masks, seed)
+    d_q, d_k, d_v, d_mods = backward(cfg, q, k, v, mods, lse, delta, cotangents[0], masks,
+                                     seed)
     no_grad = jax.tree.map(lambda _: None, masks)
-    return d_q, d_k, d_v, no_grad, None
+    return d_q, d_k, d_v, d_mods, no_grad, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -72,7 +76,9 @@ def _pad_axis(x: Array | None, axis: int, size: int) -> Array | None:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "shapes"))
-def _blockwise(q, k, v, masks: Masks, seed, *, cfg: KernelConfig, shapes: Shapes):
+def _blockwise(
+    q, k, v, mods: ScoreMods, masks: Masks, seed, *, cfg: KernelConfig, shapes: Shapes
+):
     dtype = q.dtype
     compute = kernel_dtype(dtype)
     q, k, v = (x.astype(compute) for x in split_heads(q, k, v, shapes))
@@ -80,9 +86,11 @@ def _blockwise(q, k, v, masks: Masks, seed, *, cfg: KernelConfig, shapes: Shapes
     seq_k_pad = -(-cfg.seq_k // cfg.block_k) * cfg.block_k
     q = _pad_axis(q, 3, seq_q_pad)
     k, v = _pad_axis(k, 2, seq_k_pad), _pad_axis(v, 2, seq_k_pad)
-    masks = Masks._make(_pad_axis(_pad_axis(m, -2, seq_q_pad), -1, seq_k_pad) for m in masks)
+    masks, mods = jax.tree.map(
+        lambda m: _pad_axis(_pad_axis(m, -2, seq_q_pad), -1, seq_k_pad), (masks, mods)
+    )
     # `functools.partial(jax.custom_vjp, ...)` hides the return type from type checkers.
-    out, lse = cast(tuple[Array, Array], _attention(cfg, q, k, v, masks, seed))
+    out, lse = cast(tuple[Array, Array], _attention(cfg, q, k, v, mods, masks, seed))
     return merge_heads(out[..., : cfg.seq_q, :].astype(dtype), lse[..., : cfg.seq_q], shapes)
 
 
@@ -104,6 +112,8 @@ def flash_attention(
     block_k: BlockSize = None,
     dropout_rate: RealNumber = 0.0,
     key: PRNGKeyArray | None = None,
+    bias: Bias | None = None,
+    alibi_slopes: AlibiSlopes | None = None,
 ) -> tuple[Output, LSE]:
     """Exact attention in blocks, with memory linear in the sequence length.
 
@@ -124,6 +134,15 @@ def flash_attention(
     - `softcap`: if given, logits become `softcap * tanh(logits / softcap)` after scaling.
     - `block_q`, `block_k`: block sizes; default to values tuned for CPU.
     - `dropout_rate`, `key`: dropout on the attention weights (needs a PRNG `key`).
+    - `bias`: additive float bias broadcastable to `(*batch, heads, seq_q, seq_k)`, any
+        float dtype; differentiable (its cotangent is reduced over the axes it was
+        broadcast along and returned in its own shape and dtype).
+    - `alibi_slopes`: `(heads,)` or `(*batch, heads)`: adds `-slope * |i + seq_k - seq_q
+        - j|` to the logit of query `i` and key `j` (FlashAttention-2's ALiBi, aligned
+        bottom-right like `causal`), computed in the kernel; differentiable.
+
+    Order of operations: `s = scale * q.k + bias + alibi`, then `softcap`, then every
+    mask; dropout after the softmax.
 
     **Returns:**
 
@@ -148,10 +167,11 @@ def flash_attention(
     )
     q, k, v, shapes = check_qkv(q, k, v)
     masks = check_masks(shapes, mask, attn_mask, q_segment_ids, kv_segment_ids)
+    mods = check_score_mods(shapes, bias, alibi_slopes)
     key = check_dropout_key(options.dropout_rate, key)
     cfg = kernel_config(options, shapes)
     seed = None if key is None else dropout_seed(key)
-    return _blockwise(q, k, v, masks, seed, cfg=cfg, shapes=shapes)
+    return _blockwise(q, k, v, mods, masks, seed, cfg=cfg, shapes=shapes)
 
 
 @jaxtyped(typechecker=beartype)

@@ -47,7 +47,7 @@ def positional_mask(
     return allowed
 
 
-def _block(x: Array, q_start: Array | int, k_start: Array | int, block_q: int, block_k: int):
+def block_of(x: Array, q_start: Array | int, k_start: Array | int, block_q: int, block_k: int):
     """Slice one block out of a mask whose seq axes may be broadcast (size 1)."""
     if x.shape[-2] != 1:
         x = jax.lax.dynamic_slice_in_dim(x, q_start, block_q, axis=-2)
@@ -66,12 +66,12 @@ def data_mask(
         return b if a is None else a & b
 
     if masks.key_mask is not None:
-        allowed = conj(allowed, _block(masks.key_mask, q_start, k_start, block_q, block_k))
+        allowed = conj(allowed, block_of(masks.key_mask, q_start, k_start, block_q, block_k))
     if masks.pair_mask is not None:
-        allowed = conj(allowed, _block(masks.pair_mask, q_start, k_start, block_q, block_k))
+        allowed = conj(allowed, block_of(masks.pair_mask, q_start, k_start, block_q, block_k))
     if masks.q_segment_ids is not None and masks.kv_segment_ids is not None:
-        qs = _block(masks.q_segment_ids, q_start, k_start, block_q, block_k)
-        ks = _block(masks.kv_segment_ids, q_start, k_start, block_q, block_k)
+        qs = block_of(masks.q_segment_ids, q_start, k_start, block_q, block_k)
+        ks = block_of(masks.kv_segment_ids, q_start, k_start, block_q, block_k)
         allowed = conj(allowed, qs == ks)
     return allowed
 

@@ -12,10 +12,13 @@ from jaxtyping import PRNGKeyArray, jaxtyped
 from ._config import stat_dtype
 from ._masking import data_mask, dropout_keep, dropout_seed, flat_head_index, positional_mask
 from ._options import make_options
+from ._scores import additive
 from ._shapes import merge_heads, split_heads
 from ._softmax import finish
 from ._types import (
     LSE,
+    AlibiSlopes,
+    Bias,
     Flag,
     Key,
     KeyMask,
@@ -29,7 +32,7 @@ from ._types import (
     Value,
     WindowLike,
 )
-from ._validation import check_dropout_key, check_masks, check_qkv
+from ._validation import check_dropout_key, check_masks, check_qkv, check_score_mods
 
 
 @jaxtyped(typechecker=beartype)
@@ -48,14 +51,18 @@ def plain_attention(
     softcap: OptionalReal = None,
     dropout_rate: RealNumber = 0.0,
     key: PRNGKeyArray | None = None,
+    bias: Bias | None = None,
+    alibi_slopes: AlibiSlopes | None = None,
 ) -> tuple[Output, LSE]:
-    """Reference attention with exactly the semantics of `flash_attention` (which see),
+    """Reference attention with exactly the semantics of `flash_attention` (which see,
+    also for `bias` and `alibi_slopes`),
     computed by materialising every logit, in float32 (float64 for float64 inputs)."""
     options = make_options(
         causal=causal, window=window, scale=scale, softcap=softcap, dropout_rate=dropout_rate
     )
     q, k, v, shapes = check_qkv(q, k, v)
     masks = check_masks(shapes, mask, attn_mask, q_segment_ids, kv_segment_ids)
+    mods = check_score_mods(shapes, bias, alibi_slopes)
     key = check_dropout_key(options.dropout_rate, key)
     stat = stat_dtype(q.dtype)
     b, h, g = shapes.batch, shapes.kv_heads, shapes.groups
@@ -65,11 +72,15 @@ def plain_attention(
     v5 = jnp.broadcast_to(v4[:, :, None], (b, h, g, shapes.seq_k, shapes.dim_v))
 
     logits = jnp.einsum("bhgqd,bhgkd->bhgqk", q5, k5) * options.scale_for(shapes.dim)
+    q_pos = jnp.arange(shapes.seq_q).reshape(1, 1, 1, -1, 1)
+    k_pos = jnp.arange(shapes.seq_k).reshape(1, 1, 1, 1, -1)
+    add = additive(mods, 0, 0, q_pos, k_pos, shapes.seq_k - shapes.seq_q, shapes.seq_q,
+                   shapes.seq_k, stat)
+    if add is not None:
+        logits = logits + add
     if options.softcap is not None:
         logits = options.softcap * jnp.tanh(logits / options.softcap)
 
-    q_pos = jnp.arange(shapes.seq_q).reshape(1, 1, 1, -1, 1)
-    k_pos = jnp.arange(shapes.seq_k).reshape(1, 1, 1, 1, -1)
     allowed = positional_mask(
         q_pos, k_pos, shapes.seq_k - shapes.seq_q, shapes.seq_k, options.window
     )

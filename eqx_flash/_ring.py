@@ -30,6 +30,7 @@ from ._forward import forward
 from ._masking import Masks
 from ._options import AttentionOptions, Window, make_options
 from ._schedule import block_schedule
+from ._scores import ScoreMods
 from ._sequence_order import Layout, check_layout, chunk_index, subchunks
 from ._shapes import Shapes, merge_heads, split_heads
 from ._types import (
@@ -155,7 +156,7 @@ def _forward_pair(cfg: KernelConfig | None, out, lse, q, k, v, masks):
     """Attend one chunk pair and merge it into the running normalised `(out, lse)`."""
     if cfg is None:
         return out, lse
-    return _softmax.merge(out, lse, *forward(cfg, q, k, v, masks, None))
+    return _softmax.merge(out, lse, *forward(cfg, q, k, v, ScoreMods(), masks, None))
 
 
 def _backward_pair(cfg: KernelConfig | None, grads, q, k, v, lse, delta, d_out, masks):
@@ -163,7 +164,7 @@ def _backward_pair(cfg: KernelConfig | None, grads, q, k, v, lse, delta, d_out, 
     (`_backward.prepare`)."""
     if cfg is None:
         return grads
-    parts = backward(cfg, q, k, v, lse, delta, d_out, masks, None)
+    parts = backward(cfg, q, k, v, ScoreMods(), lse, delta, d_out, masks, None)[:3]
     return tuple(g + p.astype(g.dtype) for g, p in zip(grads, parts, strict=True))
 
 

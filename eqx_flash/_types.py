@@ -44,6 +44,10 @@ PairMask: TypeAlias = (
     Bool[AnyArray, "... #seq_q #seq_k"] | Integer[AnyArray, "... #seq_q #seq_k"]
 )
 QuerySegmentIds: TypeAlias = Integer[AnyArray, "... seq_q"]
+# Score terms: a float bias broadcastable to `(*batch, heads, seq_q, seq_k)` and ALiBi
+# slopes `(*batch, heads)`; how their leading axes broadcast is checked in `_validation`.
+Bias: TypeAlias = Float[AnyArray, "... #seq_q #seq_k"]
+AlibiSlopes: TypeAlias = Float[AnyArray, "..."]
 KeySegmentIds: TypeAlias = Integer[AnyArray, "... seq_k"]
 
 Output: TypeAlias = (

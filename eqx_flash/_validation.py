@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike
 
 from ._masking import Masks
+from ._scores import ScoreMods
 from ._shapes import Shapes, mask_to_internal, shapes_of
 
 
@@ -71,6 +72,32 @@ def check_masks(
         q_segment_ids=_mask_like("q_segment_ids", q_segment_ids, shapes, "queries", True),
         kv_segment_ids=_mask_like("kv_segment_ids", kv_segment_ids, shapes, "keys", True),
     )
+
+
+def check_score_mods(
+    shapes: Shapes, bias: ArrayLike | None, alibi_slopes: ArrayLike | None
+) -> ScoreMods:
+    """Bias and ALiBi slopes in the internal layout (floating, broadcastable to q's heads
+    and the logits)."""
+    if bias is not None:
+        bias = as_float_array("bias", bias)
+        bias = mask_to_internal(bias, shapes, "pairs", "bias")
+    if alibi_slopes is not None:
+        slopes = as_float_array("alibi_slopes", alibi_slopes)
+        lead = shapes.lead_shape if shapes.has_heads_axis else (1,)
+        if slopes.ndim == 0 or slopes.ndim > len(lead) or any(
+            a not in (1, b) for a, b in zip(slopes.shape[::-1], lead[::-1], strict=False)
+        ) or slopes.shape[-1] != lead[-1]:
+            raise ValueError(
+                f"alibi_slopes must have shape (heads,) or (*batch, heads) broadcastable to "
+                f"{lead}; got alibi_slopes.shape={slopes.shape}"
+            )
+        if shapes.has_heads_axis:
+            alibi_slopes = mask_to_internal(slopes[..., None, None], shapes, "pairs",
+                                            "alibi_slopes")
+        else:  # a bare (seq, dim) problem has one head
+            alibi_slopes = slopes.reshape(1, 1, 1, 1, 1)
+    return ScoreMods(bias, alibi_slopes)
 
 
 def check_dropout_key(rate: float, key: Any) -> Array | None:

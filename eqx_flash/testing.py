@@ -130,6 +130,8 @@ def attention_inputs(
     scale: bool | None = None,
     fully_masked_rows: bool | None = None,
     dropout: bool = False,
+    bias: bool | None = False,
+    alibi: bool | None = False,
 ) -> "SearchStrategy[AttentionInputs]":
     """A Hypothesis strategy of [`AttentionInputs`][]: random attention problems.
 
@@ -158,6 +160,10 @@ def attention_inputs(
     - `fully_masked_rows`: mask out every key of some query rows on purpose (with `False`
         other features, such as `causal` with `seq_q > seq_k`, may still leave rows empty).
     - `dropout`: draw `dropout_rate` in `(0, 1)` and a `key` (off unless `True`).
+    - `bias`, `alibi`: an additive `bias` in one of several broadcast shapes (full,
+        shared over batch, over batch and heads, per key, per query, per head) and
+        `alibi_slopes` `(heads,)` or `(*batch, heads)`; `None` draws them, and both are
+        off by default so that functions without these arguments keep passing.
 
     **Returns:**
 
@@ -247,6 +253,15 @@ def attention_inputs(
         if dropout:
             kwargs["dropout_rate"] = draw(st.sampled_from((0.1, 0.5)))
             kwargs["key"] = jax.random.key(seed)
+        if _maybe(draw, bias):
+            shape = draw(st.sampled_from((
+                (*lead, seq_q, seq_k), (n_heads, seq_q, seq_k), (seq_q, seq_k), (1, seq_k),
+                (*batch_shape, 1, seq_q, 1), (*lead, 1, 1),
+            )))
+            kwargs["bias"] = jnp.asarray(rng.standard_normal(shape, np.float32))
+        if _maybe(draw, alibi):
+            shape = (n_heads,) if draw(st.booleans()) else lead
+            kwargs["alibi_slopes"] = jnp.asarray(0.3 * rng.random(shape, np.float32))
 
         # q.k has standard deviation |q_scale| * sqrt(dim) for unit normal entries.
         used_scale = 1 / math.sqrt(dim) if scale_value is None else scale_value
@@ -287,6 +302,10 @@ TOLERANCES: dict[Any, Tolerance] = {
 }
 
 
+# Floating array arguments whose gradients `check_attention` compares too.
+DIFFERENTIABLE = ("bias", "alibi_slopes")
+
+
 def _accepts(fn: Callable[..., Any], name: str) -> bool:
     try:
         params = inspect.signature(fn).parameters.values()
@@ -296,21 +315,24 @@ def _accepts(fn: Callable[..., Any], name: str) -> bool:
 
 
 def _evaluate(fn, static, q, k, v, arrays, weights, grads: bool):
-    """`out`, `lse` (or None) and, with `grads`, the gradients with respect to q, k, v of
+    """`out`, `lse` (or None) and, with `grads`, the gradients with respect to q, k, v
+    and every floating array argument (a bias, ALiBi slopes; `DIFFERENTIABLE`) of
     `sum(w * out) + sum(u * lse over its finite entries)` for `weights = (w, u)`."""
-    kwargs = {**dict(static), **arrays}
+    fixed = {n: x for n, x in arrays.items() if n not in DIFFERENTIABLE}
+    free = {n: x for n, x in arrays.items() if n in DIFFERENTIABLE}
 
-    def call(q, k, v):
-        return split_outputs(fn(q, k, v, **kwargs))
+    def call(q, k, v, free):
+        return split_outputs(fn(q, k, v, **dict(static), **fixed, **free))
 
     w, u = weights
     if not grads:
-        return (*call(q, k, v), None)
-    (out, lse), vjp = jax.vjp(call, q, k, v)
+        return (*call(q, k, v, free), None)
+    (out, lse), vjp = jax.vjp(call, q, k, v, free)
     if out.shape != w.shape or (lse is not None and lse.shape != u.shape):
         return out, lse, None  # reported as a shape mismatch
     d_lse = None if lse is None else jnp.where(jnp.isfinite(lse), u, 0.0).astype(lse.dtype)
-    return out, lse, vjp((w.astype(out.dtype), d_lse))
+    dq, dk, dv, d_free = vjp((w.astype(out.dtype), d_lse))
+    return out, lse, {"dq": dq, "dk": dk, "dv": dv, **{f"d{n}": g for n, g in d_free.items()}}
 
 
 _evaluate_jit = jax.jit(_evaluate, static_argnums=(0, 1, 7))
@@ -433,10 +455,15 @@ def check_attention(
     if lse is not None and ref_lse is not None:
         problems.append(_compare("lse", lse, ref_lse, tol.lse, per_tensor=False))
     if grad is not None and ref_grad is not None:
-        grad_scale = max(float(jnp.max(jnp.abs(r.astype(jnp.float32)))) for r in ref_grad)
-        for name, g, r in zip(("dq", "dk", "dv"), grad, ref_grad, strict=True):
+        qkv_grads = [ref_grad[n] for n in ("dq", "dk", "dv")]
+        grad_scale = max(float(jnp.max(jnp.abs(r.astype(jnp.float32)))) for r in qkv_grads)
+        for name, r in ref_grad.items():
+            if name not in grad:
+                problems.append(f"{name}: not computed (the function ignores it?)")
+                continue
+            floor = 0.1 * grad_scale if name in ("dq", "dk", "dv") else 0.0
             problems.append(
-                _compare(name, g, r, tol.grad, per_tensor=True, floor=0.1 * grad_scale)
+                _compare(name, grad.get(name), r, tol.grad, per_tensor=True, floor=floor)
             )
     problems = [p for p in problems if p is not None]
     if problems:
