@@ -133,9 +133,9 @@ def test_against_jax_nn():
         return jnp.sum(jnp.sin(flash_attention(q, k, v, bias=bias, causal=True, **BLOCKS)[0]))
 
     def theirs(q, k, v, bias):
-        t = (lambda x: jnp.swapaxes(x, 1, 2))
-        out = jax.nn.dot_product_attention(t(q), t(k), t(v), bias=bias, is_causal=True)
-        return jnp.sum(jnp.sin(t(out)))
+        q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))  # BTNH
+        out = jax.nn.dot_product_attention(q, k, v, bias=bias, is_causal=True)
+        return jnp.sum(jnp.sin(jnp.swapaxes(out, 1, 2)))
 
     got = jax.jit(jax.value_and_grad(ours, argnums=(0, 1, 2, 3)))(q, k, v, bias)
     expected = jax.jit(jax.value_and_grad(theirs, argnums=(0, 1, 2, 3)))(q, k, v, bias)
