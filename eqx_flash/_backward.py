@@ -29,6 +29,7 @@ from ._block import (
     dropout_multiplier,
     folds_scale,
     logits_t,
+    matmul_t,
     positions,
     scaled,
     score_terms,
@@ -193,11 +194,12 @@ def _update(
     dq_cols, dk_b, dv_b, d_mods = carry
     stat = dk_b.dtype
     add = score_terms(cfg, head, q_start, block.start, stat)
-    s, t = logits_t(cfg, block.k, query.q_cols[i], transposed(add, inputs.groups, cfg.block_q))
+    add_t = transposed(add, inputs.groups, cfg.block_q)
+    s, t = logits_t(cfg, block.k, query.q_rows[i], query.q_cols[i], add_t)
     if mask is not None:
         s = jnp.where(mask, s, -jnp.inf)
     p = jnp.exp(s - query.lse_cols[i])
-    dp = jnp.matmul(block.v, query.do_cols[i], preferred_element_type=stat)
+    dp = matmul_t(block.v, query.do_rows[i], query.do_cols[i], stat)
     drop = dropout_multiplier(cfg, inputs.seed, inputs.head, q_start, block.start, stat)
     drop = transposed(drop, inputs.groups, cfg.block_q)
     p_v = p

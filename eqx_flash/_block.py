@@ -62,13 +62,36 @@ def logits(
 
 
 def logits_t(
-    cfg: KernelConfig, k_blk: Array, q_cols: Array, add_t: Array | None
+    cfg: KernelConfig, k_blk: Array, q_rows: Array, q_cols: Array, add_t: Array | None
 ) -> tuple[Array, Array | None]:
     """`logits` transposed, `(block_k, groups * block_q)`, from a key block `(block_k, d)`
-    and the transposed query block `(d, groups * block_q)`; `add_t` is `transposed`."""
+    and the query block as rows `(groups * block_q, d)` and transposed
+    `(d, groups * block_q)`; `add_t` is `transposed`."""
     stat = stat_dtype(q_cols.dtype)
-    s = jnp.matmul(k_blk, q_cols, preferred_element_type=stat)
+    s = matmul_t(k_blk, q_rows, q_cols, stat)
     return _scale_and_cap(cfg, s, q_cols.dtype, add_t)
+
+
+# XLA's CPU dot picks its kernel, and with it the order it sums over `d`, by the shapes of
+# the product: `(rows, bk)` and its transpose `(bk, rows)` can round differently. With a
+# key block this narrow, the untransposed product is the more accurate one (0.7 against
+# 1.6 ulp on average, at `bk = 8`) and it is the one the forward's softmax used.
+NARROW_BLOCK_K = 64
+
+
+def matmul_t(a: Array, b_rows: Array, b_cols: Array, dtype: jnp.dtype) -> Array:
+    """`a @ b_cols`, `(block_k, groups * block_q)`, for a key-side block `a` `(block_k, x)`
+    and a query-side block given both as rows `(groups * block_q, x)` and as `b_cols`.
+
+    A key block narrower than `NARROW_BLOCK_K` is multiplied as the forward multiplies it,
+    `b_rows @ a^T`, and transposed (a barrier stops XLA from folding the transpose back
+    into the product): the backward's `exp(s - lse)` then rounds as the forward's softmax
+    did, and `dp` as `plain_attention`'s. A narrow block is cheap to transpose.
+    """
+    if a.shape[0] >= NARROW_BLOCK_K or a.dtype != jnp.dtype(dtype):
+        return jnp.matmul(a, b_cols, preferred_element_type=dtype)
+    rows = jnp.einsum("qd,kd->qk", b_rows, a, preferred_element_type=dtype)
+    return jax.lax.optimization_barrier(rows).T
 
 
 def _scale_and_cap(
