@@ -14,6 +14,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+from helpers import qkv
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import eqx_flash
@@ -24,9 +25,7 @@ B, H, KH, D = 2, 4, 2, 16
 
 def _inputs(seq_q: int, seq_k: int, seed: int = 0):
     keys = jax.random.split(jax.random.key(seed), 8)
-    q = jax.random.normal(keys[0], (B, H, seq_q, D))
-    k = jax.random.normal(keys[1], (B, KH, seq_k, D))
-    v = jax.random.normal(keys[2], (B, KH, seq_k, D))
+    q, k, v = qkv(keys[0], (B, H, seq_q, D), (B, KH, seq_k, D))
     mask = jax.random.uniform(keys[3], (B, seq_k)) > 0.2
     # Three documents per row, boundaries not on chunk edges; segment 0 of row 1 starts late.
     q_ids = jnp.asarray(np.stack([np.arange(seq_q) * 3 // seq_q, np.arange(seq_q) * 3 // seq_q]))

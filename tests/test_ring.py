@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import qkv
 from hypothesis import given
 from hypothesis import strategies as st
 from jax.sharding import Mesh
@@ -48,6 +49,10 @@ def multidevice():
     return results
 
 
+# The tests reading the subprocess's measurements run on one xdist worker (pyproject's
+# `--dist loadgroup`), so the module-scoped fixture starts the subprocess once.
+ON_ONE_WORKER = pytest.mark.xdist_group("multidevice")
+
 RING_CHECKS = [
     "ring_full",
     "ring_causal_cross",
@@ -58,6 +63,7 @@ RING_CHECKS = [
 ]
 
 
+@ON_ONE_WORKER
 @pytest.mark.parametrize("check", RING_CHECKS)
 def test_matches_single_device(multidevice, check):
     """out, lse, dq, dk, dv equal single-device flash_attention (GQA, key mask, segment
@@ -68,17 +74,20 @@ def test_matches_single_device(multidevice, check):
         assert result[name + "_finite"], (name, result)
 
 
+@ON_ONE_WORKER
 def test_some_rows_see_no_key(multidevice):
     # The causal checks include empty rows, so the -inf handling of the merge is exercised.
     assert multidevice["sharded_zigzag_two_axes"]["rows_without_keys"] > 0
 
 
+@ON_ONE_WORKER
 def test_sharded_inputs_need_no_gather(multidevice):
     result = multidevice["flash_sharded_inputs"]
     assert result["all_gathers"] == 0, result
     assert result["out_sharding"] == "P('data', 'model')", result
 
 
+@ON_ONE_WORKER
 def test_memory_shrinks_with_devices(multidevice):
     temp = multidevice["memory"]
     assert temp["temp_4"] < 0.6 * temp["temp_2"], temp
@@ -119,9 +128,7 @@ def test_layout_errors():
 def test_one_device_mesh(getkey):
     """`sharded_flash_attention` over a mesh of the one device here equals flash_attention."""
     mesh = Mesh(np.array(jax.devices()[:1]), ("seq",))
-    q = jax.random.normal(getkey(), (2, 4, 40, 8))
-    k = jax.random.normal(getkey(), (2, 2, 40, 8))
-    v = jax.random.normal(getkey(), (2, 2, 40, 8))
+    q, k, v = qkv(getkey(), (2, 4, 40, 8), (2, 2, 40, 8))
 
     def loss(fn):
         def f(q, k, v):

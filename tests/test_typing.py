@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import jaxtyping
 import numpy as np
 import pytest
+from helpers import qkv
 
 import eqx_flash
 from eqx_flash import _flash, _masking
@@ -17,11 +18,7 @@ H, KH, SQ, SK, D, DV = 4, 2, 8, 12, 16, 8
 
 
 def _qkv(lead: tuple[int, ...], kv_lead: tuple[int, ...], dtype=jnp.float32):
-    rng = np.random.default_rng(0)
-    q = rng.standard_normal((*lead, SQ, D))
-    k = rng.standard_normal((*kv_lead, SK, D))
-    v = rng.standard_normal((*kv_lead, SK, DV))
-    return (jnp.asarray(x, dtype) for x in (q, k, v))
+    return qkv(0, (*lead, SQ, D), (*kv_lead, SK, D), dim_v=DV, dtype=dtype)
 
 
 @pytest.fixture
