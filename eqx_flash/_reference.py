@@ -10,7 +10,16 @@ from beartype import beartype
 from jaxtyping import PRNGKeyArray, jaxtyped
 
 from ._config import stat_dtype
-from ._masking import data_mask, dropout_keep, dropout_seed, flat_head_index, positional_mask
+from ._masking import (
+    data_mask,
+    dropout_keep,
+    dropout_seed,
+    flat_head_index,
+    length_mask,
+    lengths_or,
+    positional_mask,
+    valid_rows,
+)
 from ._options import make_options
 from ._shapes import merge_heads, split_heads
 from ._softmax import finish
@@ -20,6 +29,7 @@ from ._types import (
     Key,
     KeyMask,
     KeySegmentIds,
+    Lengths,
     OptionalReal,
     Output,
     PairMask,
@@ -29,7 +39,7 @@ from ._types import (
     Value,
     WindowLike,
 )
-from ._validation import check_dropout_key, check_masks, check_qkv
+from ._validation import check_dropout_key, check_lengths, check_masks, check_qkv
 
 
 @jaxtyped(typechecker=beartype)
@@ -44,6 +54,8 @@ def plain_attention(
     window: WindowLike = None,
     q_segment_ids: QuerySegmentIds | None = None,
     kv_segment_ids: KeySegmentIds | None = None,
+    q_lengths: Lengths | None = None,
+    kv_lengths: Lengths | None = None,
     scale: OptionalReal = None,
     softcap: OptionalReal = None,
     dropout_rate: RealNumber = 0.0,
@@ -56,10 +68,12 @@ def plain_attention(
     )
     q, k, v, shapes = check_qkv(q, k, v)
     masks = check_masks(shapes, mask, attn_mask, q_segment_ids, kv_segment_ids)
+    masks = check_lengths(shapes, masks, q_lengths, kv_lengths)
     key = check_dropout_key(options.dropout_rate, key)
     stat = stat_dtype(q.dtype)
     b, h, g = shapes.batch, shapes.kv_heads, shapes.groups
-    q5, k4, v4 = (x.astype(stat) for x in split_heads(q, k, v, shapes))
+    q5, k4, v4 = valid_rows(*split_heads(q, k, v, shapes), masks, shapes.seq_q, shapes.seq_k)
+    q5, k4, v4 = (x.astype(stat) for x in (q5, k4, v4))
     # Repeat kv heads over their query groups: (b, kv_heads, groups, seq_k, dim).
     k5 = jnp.broadcast_to(k4[:, :, None], (b, h, g, shapes.seq_k, shapes.dim))
     v5 = jnp.broadcast_to(v4[:, :, None], (b, h, g, shapes.seq_k, shapes.dim_v))
@@ -70,9 +84,13 @@ def plain_attention(
 
     q_pos = jnp.arange(shapes.seq_q).reshape(1, 1, 1, -1, 1)
     k_pos = jnp.arange(shapes.seq_k).reshape(1, 1, 1, 1, -1)
-    allowed = positional_mask(
-        q_pos, k_pos, shapes.seq_k - shapes.seq_q, shapes.seq_k, options.window
-    )
+    if masks.has_lengths:  # the window aligns on the valid lengths
+        q_len, kv_len = lengths_or(masks, shapes.seq_q, shapes.seq_k)
+        allowed = length_mask(q_pos, k_pos, q_len, kv_len, options.window)
+    else:
+        allowed = positional_mask(
+            q_pos, k_pos, shapes.seq_k - shapes.seq_q, shapes.seq_k, options.window
+        )
     data = data_mask(masks, 0, 0, shapes.seq_q, shapes.seq_k)
     if data is not None:
         allowed = allowed & data
