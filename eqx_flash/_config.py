@@ -137,3 +137,14 @@ def decode_splits(cfg: KernelConfig) -> int:
     if cfg.seq_q > DECODE_MAX_Q or num_k < DECODE_MIN_BLOCKS:
         return 1
     return min(DECODE_SPLITS, num_k)
+
+
+def decode_config(cfg: KernelConfig) -> KernelConfig:
+    """`cfg` with `splits` set (`decode_splits`) and, when split, `block_k` evened out so
+    that the key blocks fill whole rounds of `splits` blocks (at most `block_k` still)."""
+    splits = decode_splits(cfg)
+    if splits == 1:
+        return cfg
+    rounds = -(-cfg.seq_k // (splits * cfg.block_k))
+    block_k = -(-cfg.seq_k // (splits * rounds))
+    return dataclasses.replace(cfg, splits=splits, block_k=block_k)

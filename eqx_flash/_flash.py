@@ -19,7 +19,7 @@ from beartype import beartype
 from jaxtyping import Array, PRNGKeyArray, jaxtyped
 
 from ._backward import backward, prepare
-from ._config import KernelConfig, decode_splits, kernel_config, kernel_dtype
+from ._config import KernelConfig, decode_config, kernel_config, kernel_dtype
 from ._decode import decode_forward
 from ._forward import forward
 from ._masking import Masks, dropout_seed, valid_rows
@@ -171,7 +171,7 @@ def flash_attention(
     masks = check_lengths(shapes, masks, q_lengths, kv_lengths)
     key = check_dropout_key(options.dropout_rate, key)
     cfg = kernel_config(options, shapes)
-    cfg = dataclasses.replace(cfg, lengths=masks.has_lengths, splits=decode_splits(cfg))
+    cfg = decode_config(dataclasses.replace(cfg, lengths=masks.has_lengths))
     seed = None if key is None else dropout_seed(key)
     return _blockwise(q, k, v, masks, seed, cfg=cfg, shapes=shapes)
 
