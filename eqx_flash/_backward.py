@@ -39,7 +39,7 @@ from ._block import (
 from ._config import KernelConfig, stat_dtype
 from ._heads import Head, per_head
 from ._masking import Masks
-from ._schedule import Bands, band_ranges, over_band, segment_limits
+from ._schedule import Bands, band_ranges, over_band, run_limits
 from ._scores import ScoreMods, accumulate
 from ._softmax import finite_lse
 
@@ -99,7 +99,7 @@ def backward(
 ) -> tuple[Array, Array, Array, ScoreMods]:
     """Cotangents of q, k, v and the score terms `mods` (internal layout) given `lse`
     and `delta` from `prepare` and the cotangent `d_out` of `out`."""
-    bands = band_ranges(cfg.seq_q, cfg.seq_k, cfg.block_q, cfg.block_k, cfg.window,
+    bands = band_ranges(cfg.seq_q, cfg.seq_k, cfg.block_q, cfg.block_k, cfg.band_window,
                         cfg.offset, by="k")
     kernel = functools.partial(_head, cfg, bands, seed, not masks.is_empty)
     d_q, d_k, d_v, d_mods = per_head(kernel, (masks, mods), (q, k, v, d_out, lse, delta))
@@ -136,7 +136,7 @@ def _head(
     )
     inputs = _HeadInputs(cfg, head, seed, has_data_mask, query, groups, q.dtype, v.dtype)
     keys = (k.reshape(num_k, bk, dim), v.reshape(num_k, bk, dim_v))
-    limits = segment_limits(cfg, head.masks, by="k")
+    limits = run_limits(cfg, head.masks, by="k")
 
     def key_block(carry, j):
         return _key_block(inputs, bands, limits, keys, carry, j)

@@ -15,7 +15,7 @@ from jaxtyping import Array
 
 from ._config import KernelConfig, stat_dtype
 from ._heads import Head
-from ._masking import Masks, data_mask, dropout_keep, positional_mask
+from ._masking import Masks, data_mask, dropout_keep, length_mask, lengths_or, positional_mask
 from ._scores import additive
 
 
@@ -132,10 +132,14 @@ def allowed(
 ) -> Array | None:
     """Which pairs of the block attend, `(groups|1, block_q|1, block_k)` (None: all)."""
     mask = data_mask(masks, q_start, k_start, cfg.block_q, cfg.block_k)
+    q_pos, k_pos = positions(cfg, q_start, k_start)  # unused ones cost nothing once traced
     if positional:
-        q_pos, k_pos = positions(cfg, q_start, k_start)
-        pos = positional_mask(q_pos, k_pos, cfg.offset, cfg.seq_k, cfg.window)
+        pos = positional_mask(q_pos, k_pos, cfg.offset, cfg.seq_k, cfg.band_window)
         mask = pos if mask is None else mask & pos
+    if masks.has_lengths:
+        q_len, kv_len = lengths_or(masks, cfg.seq_q, cfg.seq_k)
+        by_length = length_mask(q_pos, k_pos, q_len, kv_len, cfg.window)
+        mask = by_length if mask is None else mask & by_length
     return mask
 
 

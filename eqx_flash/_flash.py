@@ -9,6 +9,7 @@ The kernels see only padded arrays in the internal layout; this module is the on
 that knows about the public shapes.
 """
 
+import dataclasses
 import functools
 from typing import Any, cast
 
@@ -18,9 +19,10 @@ from beartype import beartype
 from jaxtyping import Array, PRNGKeyArray, jaxtyped
 
 from ._backward import backward, prepare
-from ._config import KernelConfig, kernel_config, kernel_dtype
+from ._config import KernelConfig, decode_config, kernel_config, kernel_dtype
+from ._decode import decode_forward
 from ._forward import forward
-from ._masking import Masks, dropout_seed
+from ._masking import Masks, dropout_seed, valid_rows
 from ._options import make_options
 from ._scores import ScoreMods
 from ._shapes import Shapes, merge_heads, split_heads
@@ -33,6 +35,7 @@ from ._types import (
     Key,
     KeyMask,
     KeySegmentIds,
+    Lengths,
     OptionalReal,
     Output,
     PairMask,
@@ -42,16 +45,30 @@ from ._types import (
     Value,
     WindowLike,
 )
-from ._validation import check_dropout_key, check_masks, check_qkv, check_score_mods
+from ._validation import (
+    check_dropout_key,
+    check_lengths,
+    check_masks,
+    check_qkv,
+    check_score_mods,
+)
+
+
+def _forward(cfg: KernelConfig, q, k, v, mods: ScoreMods, masks: Masks, seed):
+    """The forward kernel for `cfg`: flash-decoding when `cfg.splits > 1`
+    (`_config.decode_splits`) and there are no score terms, else the regular one."""
+    if cfg.splits > 1 and mods.is_empty:
+        return decode_forward(cfg, q, k, v, masks, seed)
+    return forward(cfg, q, k, v, mods, masks, seed)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(cfg: KernelConfig, q, k, v, mods: ScoreMods, masks: Masks, seed):
-    return forward(cfg, q, k, v, mods, masks, seed)
+    return _forward(cfg, q, k, v, mods, masks, seed)
 
 
 def _attention_fwd(cfg, q, k, v, mods, masks, seed):
-    out, lse = forward(cfg, q, k, v, mods, masks, seed)
+    out, lse = _forward(cfg, q, k, v, mods, masks, seed)
     return (out, lse), (q, k, v, mods, out, lse, masks, seed)
 
 
@@ -81,7 +98,8 @@ def _blockwise(
 ):
     dtype = q.dtype
     compute = kernel_dtype(dtype)
-    q, k, v = (x.astype(compute) for x in split_heads(q, k, v, shapes))
+    q, k, v = split_heads(q, k, v, shapes)
+    q, k, v = (x.astype(compute) for x in valid_rows(q, k, v, masks, cfg.seq_q, cfg.seq_k))
     seq_q_pad = -(-cfg.seq_q // cfg.block_q) * cfg.block_q
     seq_k_pad = -(-cfg.seq_k // cfg.block_k) * cfg.block_k
     q = _pad_axis(q, 3, seq_q_pad)
@@ -106,6 +124,8 @@ def flash_attention(
     window: WindowLike = None,
     q_segment_ids: QuerySegmentIds | None = None,
     kv_segment_ids: KeySegmentIds | None = None,
+    q_lengths: Lengths | None = None,
+    kv_lengths: Lengths | None = None,
     scale: OptionalReal = None,
     softcap: OptionalReal = None,
     block_q: BlockSize = None,
@@ -130,6 +150,13 @@ def flash_attention(
         `p - left <= j <= p + right` with `p = i + seq_k - seq_q`; `None` is unbounded.
     - `q_segment_ids`, `kv_segment_ids`: integer ids `(*batch, [heads,] seq_q|seq_k)`; a
         query attends only to keys with an equal id. Both or neither.
+    - `q_lengths`, `kv_lengths`: integer arrays `(*batch,)` (any leading axis may be 1 or
+        missing): the number of valid queries and keys of each batch element, the rest
+        being right padding. Keys at or past `kv_lengths` never attend; queries at or past
+        `q_lengths` get `out = 0`, `lse = -inf` and zero gradients; `causal` and `window`
+        align bottom-right on the valid lengths (`p = i + kv_length - q_length`). Key blocks
+        past the lengths are not computed. Padding (and keys the key `mask` hides from every
+        query head) may hold NaN or inf: it reaches no output and no gradient.
     - `scale`: logit scale, default `1/sqrt(dim)`.
     - `softcap`: if given, logits become `softcap * tanh(logits / softcap)` after scaling.
     - `block_q`, `block_k`: block sizes; default to values tuned for CPU.
@@ -168,8 +195,10 @@ def flash_attention(
     q, k, v, shapes = check_qkv(q, k, v)
     masks = check_masks(shapes, mask, attn_mask, q_segment_ids, kv_segment_ids)
     mods = check_score_mods(shapes, bias, alibi_slopes)
+    masks = check_lengths(shapes, masks, q_lengths, kv_lengths)
     key = check_dropout_key(options.dropout_rate, key)
     cfg = kernel_config(options, shapes)
+    cfg = decode_config(dataclasses.replace(cfg, lengths=masks.has_lengths))
     seed = None if key is None else dropout_seed(key)
     return _blockwise(q, k, v, mods, masks, seed, cfg=cfg, shapes=shapes)
 

@@ -31,7 +31,7 @@ from ._block import (
 from ._config import KernelConfig, stat_dtype
 from ._heads import Head, per_head
 from ._masking import Masks
-from ._schedule import Bands, band_ranges, over_band, segment_limits
+from ._schedule import Bands, band_ranges, over_band, run_limits
 from ._scores import ScoreMods
 
 
@@ -53,7 +53,7 @@ def forward(
 ) -> tuple[Array, Array]:
     """Returns `out` `(b, h, g, seq_q_padded, dim_v)` in q's dtype and `lse`
     `(b, h, g, seq_q_padded)` in the statistics dtype (-inf for rows with no key)."""
-    bands = band_ranges(cfg.seq_q, cfg.seq_k, cfg.block_q, cfg.block_k, cfg.window,
+    bands = band_ranges(cfg.seq_q, cfg.seq_k, cfg.block_q, cfg.block_k, cfg.band_window,
                         cfg.offset, by="q")
     kernel = functools.partial(_head, cfg, bands, seed, not masks.is_empty)
     return per_head(kernel, (masks, mods), (q, k, v))
@@ -66,7 +66,7 @@ def _head(
     q, k, v = arrays  # (g, seq_q, d), (seq_k, d), (seq_k, dv)
     groups, seq_q_pad = q.shape[:2]
     inputs = _HeadInputs(cfg, head, seed, has_data_mask, scaled(cfg, q), k, v)
-    limits = segment_limits(cfg, head.masks, by="q")
+    limits = run_limits(cfg, head.masks, by="q")
 
     def query_block(_, i):
         return None, _query_block(inputs, bands, limits, i)

@@ -10,7 +10,16 @@ from beartype import beartype
 from jaxtyping import PRNGKeyArray, jaxtyped
 
 from ._config import stat_dtype
-from ._masking import data_mask, dropout_keep, dropout_seed, flat_head_index, positional_mask
+from ._masking import (
+    data_mask,
+    dropout_keep,
+    dropout_seed,
+    flat_head_index,
+    length_mask,
+    lengths_or,
+    positional_mask,
+    valid_rows,
+)
 from ._options import make_options
 from ._scores import additive
 from ._shapes import merge_heads, split_heads
@@ -23,6 +32,7 @@ from ._types import (
     Key,
     KeyMask,
     KeySegmentIds,
+    Lengths,
     OptionalReal,
     Output,
     PairMask,
@@ -32,7 +42,13 @@ from ._types import (
     Value,
     WindowLike,
 )
-from ._validation import check_dropout_key, check_masks, check_qkv, check_score_mods
+from ._validation import (
+    check_dropout_key,
+    check_lengths,
+    check_masks,
+    check_qkv,
+    check_score_mods,
+)
 
 
 @jaxtyped(typechecker=beartype)
@@ -47,6 +63,8 @@ def plain_attention(
     window: WindowLike = None,
     q_segment_ids: QuerySegmentIds | None = None,
     kv_segment_ids: KeySegmentIds | None = None,
+    q_lengths: Lengths | None = None,
+    kv_lengths: Lengths | None = None,
     scale: OptionalReal = None,
     softcap: OptionalReal = None,
     dropout_rate: RealNumber = 0.0,
@@ -63,10 +81,12 @@ def plain_attention(
     q, k, v, shapes = check_qkv(q, k, v)
     masks = check_masks(shapes, mask, attn_mask, q_segment_ids, kv_segment_ids)
     mods = check_score_mods(shapes, bias, alibi_slopes)
+    masks = check_lengths(shapes, masks, q_lengths, kv_lengths)
     key = check_dropout_key(options.dropout_rate, key)
     stat = stat_dtype(q.dtype)
     b, h, g = shapes.batch, shapes.kv_heads, shapes.groups
-    q5, k4, v4 = (x.astype(stat) for x in split_heads(q, k, v, shapes))
+    q5, k4, v4 = valid_rows(*split_heads(q, k, v, shapes), masks, shapes.seq_q, shapes.seq_k)
+    q5, k4, v4 = (x.astype(stat) for x in (q5, k4, v4))
     # Repeat kv heads over their query groups: (b, kv_heads, groups, seq_k, dim).
     k5 = jnp.broadcast_to(k4[:, :, None], (b, h, g, shapes.seq_k, shapes.dim))
     v5 = jnp.broadcast_to(v4[:, :, None], (b, h, g, shapes.seq_k, shapes.dim_v))
@@ -81,9 +101,13 @@ def plain_attention(
     if options.softcap is not None:
         logits = options.softcap * jnp.tanh(logits / options.softcap)
 
-    allowed = positional_mask(
-        q_pos, k_pos, shapes.seq_k - shapes.seq_q, shapes.seq_k, options.window
-    )
+    if masks.has_lengths:  # the window aligns on the valid lengths
+        q_len, kv_len = lengths_or(masks, shapes.seq_q, shapes.seq_k)
+        allowed = length_mask(q_pos, k_pos, q_len, kv_len, options.window)
+    else:
+        allowed = positional_mask(
+            q_pos, k_pos, shapes.seq_k - shapes.seq_q, shapes.seq_k, options.window
+        )
     data = data_mask(masks, 0, 0, shapes.seq_q, shapes.seq_k)
     if data is not None:
         allowed = allowed & data

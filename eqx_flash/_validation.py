@@ -5,10 +5,12 @@ All checks are on static properties (shapes, dtypes), so they also run, at trace
 under `jax.jit`.
 """
 
-from typing import Any
+from typing import Any, cast
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, ArrayLike
 
 from ._masking import Masks
@@ -98,6 +100,55 @@ def check_score_mods(
         else:  # a bare (seq, dim) problem has one head
             alibi_slopes = slopes.reshape(1, 1, 1, 1, 1)
     return ScoreMods(bias, alibi_slopes)
+
+
+def _is_concrete(x: Array) -> bool:
+    try:
+        np.asarray(x)
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+        return False
+    return True
+
+
+def _lengths(name: str, x: ArrayLike | None, shapes: Shapes, seq: int) -> Array | None:
+    """One lengths argument `(*batch,)` in the internal layout `(batch|1, 1, 1, 1, 1)`."""
+    if x is None:
+        return None
+    arr: Array = jnp.asarray(x) if not isinstance(x, jax.Array) else x
+    if not jnp.issubdtype(arr.dtype, jnp.integer):
+        raise TypeError(f"{name} must have an integer dtype; got {name}.dtype={arr.dtype}")
+    batch = shapes.batch_shape
+    if arr.ndim > len(batch) or any(
+        a not in (1, b) for a, b in zip(arr.shape[::-1], batch[::-1], strict=False)
+    ):
+        raise ValueError(
+            f"{name} must have shape (*batch,) = {batch} (any leading axis may be 1 or "
+            f"missing), one length per batch element; got {name}.shape={arr.shape}"
+        )
+    arr = arr.astype(jnp.int32)
+    message = f"{name} must lie in [0, {seq}] (the sequence length)"
+    if not _is_concrete(arr):
+        arr = cast(Array, eqx.error_if(arr, (arr < 0) | (arr > seq), message))
+    else:
+        concrete = np.asarray(arr)
+        if np.any((concrete < 0) | (concrete > seq)):
+            raise ValueError(f"{message}; got {name}={concrete.tolist()}")
+    arr = arr.reshape((1,) * (len(batch) - arr.ndim) + arr.shape)
+    if any(n != 1 for n in arr.shape):
+        arr = jnp.broadcast_to(arr, batch)
+    return arr.reshape(-1 if arr.size > 1 else 1, 1, 1, 1, 1)
+
+
+def check_lengths(
+    shapes: Shapes, masks: Masks, q_lengths: ArrayLike | None, kv_lengths: ArrayLike | None
+) -> Masks:
+    """`masks` with the valid lengths added (checked: integer, `(*batch,)` broadcasting
+    against q's batch axes, values in `[0, seq]`; the value check is `eqx.error_if` under
+    `jax.jit`, an eager `ValueError` otherwise)."""
+    return masks._replace(
+        q_lengths=_lengths("q_lengths", q_lengths, shapes, shapes.seq_q),
+        kv_lengths=_lengths("kv_lengths", kv_lengths, shapes, shapes.seq_k),
+    )
 
 
 def check_dropout_key(rate: float, key: Any) -> Array | None:

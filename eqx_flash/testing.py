@@ -132,6 +132,7 @@ def attention_inputs(
     dropout: bool = False,
     bias: bool | None = False,
     alibi: bool | None = False,
+    lengths: bool | None = False,
 ) -> "SearchStrategy[AttentionInputs]":
     """A Hypothesis strategy of [`AttentionInputs`][]: random attention problems.
 
@@ -164,6 +165,9 @@ def attention_inputs(
         shared over batch, over batch and heads, per key, per query, per head) and
         `alibi_slopes` `(heads,)` or `(*batch, heads)`; `None` draws them, and both are
         off by default so that functions without these arguments keep passing.
+    - `lengths`: `q_lengths`/`kv_lengths` `(*batch,)` in `[0, seq]` (right padding), each
+        given or not; off by default (`False`), since attention functions other than
+        eqx_flash's may not take them; `None` draws, `True` always.
 
     **Returns:**
 
@@ -172,8 +176,8 @@ def attention_inputs(
     from hypothesis import strategies as st
 
     dtypes = tuple(_default_dtypes() if dtypes is None else dtypes)
-    lengths = tuple(n for n in seq_lengths if max_seq is None or n <= max_seq)
-    if not lengths:
+    seq_choices = tuple(n for n in seq_lengths if max_seq is None or n <= max_seq)
+    if not seq_choices:
         raise ValueError(f"no sequence length in {tuple(seq_lengths)} is <= {max_seq=}")
     for name, options in (
         ("dtypes", dtypes),
@@ -192,8 +196,8 @@ def attention_inputs(
         dtype = draw(st.sampled_from(dtypes))
         batch_shape = tuple(draw(st.sampled_from(tuple(batch_shapes))))
         n_heads, kv_heads = draw(st.sampled_from(tuple(heads)))
-        seq_q = draw(st.sampled_from(lengths))
-        seq_k = draw(st.sampled_from(lengths))
+        seq_q = draw(st.sampled_from(seq_choices))
+        seq_k = draw(st.sampled_from(seq_choices))
         dim = draw(st.sampled_from(tuple(dims)))
         dim_v = draw(st.sampled_from(tuple(dims)))
         seed = draw(st.integers(0, 2**32 - 1))
@@ -250,6 +254,12 @@ def attention_inputs(
             block = draw(st.sampled_from(tuple(block_sizes)))
             if block is not None:
                 kwargs[name] = block
+        if _maybe(draw, lengths):
+            for name, seq in (("q_lengths", seq_q), ("kv_lengths", seq_k)):
+                if draw(st.booleans()) or name == "kv_lengths" and "q_lengths" not in kwargs:
+                    full = draw(st.booleans())  # some elements use the whole sequence
+                    n = rng.integers(0, seq + 1, batch_shape, dtype=np.int32)
+                    kwargs[name] = jnp.asarray(np.where(full, seq, n).astype(np.int32))
         if dropout:
             kwargs["dropout_rate"] = draw(st.sampled_from((0.1, 0.5)))
             kwargs["key"] = jax.random.key(seed)

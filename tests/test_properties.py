@@ -73,6 +73,14 @@ def test_matches_reference(inputs):
     check_attention(flash_attention, inputs)
 
 
+@share(0.5)
+@given(problems(lengths=True))
+def test_matches_reference_with_lengths(inputs):
+    """Variable lengths composed with every other feature (masks, ids, causal, window,
+    GQA, dtypes), values and gradients."""
+    check_attention(flash_attention, inputs)
+
+
 @pytest.mark.parametrize("dtype", LOW_PRECISION)
 def test_low_precision_under_strict_promotion(dtype):
     # Regression: the statistics dtype once came from promote_types, which strict promotion
