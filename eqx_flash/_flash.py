@@ -26,6 +26,7 @@ from ._masking import Masks, dropout_seed, valid_rows
 from ._options import make_options
 from ._scores import ScoreMods
 from ._shapes import Shapes, merge_heads, split_heads
+from ._tangent import reverse_only, with_forward_mode
 from ._types import (
     LSE,
     AlibiSlopes,
@@ -84,6 +85,25 @@ def _attention_bwd(cfg, residuals, cotangents):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
+def _attention_without_scores(cfg: KernelConfig, q, k, v, masks: Masks, seed):
+    return _attention(cfg, q, k, v, ScoreMods(), masks, seed)
+
+
+# Forward mode on top: a custom_jvp whose tangent transposes into `_attention_bwd`'s kernel
+# (`_tangent`). The tangent kernel has no score terms yet: with a bias or ALiBi, forward
+# mode raises a clear error, and reverse mode is `_attention_bwd` as before.
+_attention_ad = with_forward_mode(_attention_without_scores)
+_attention_scores_ad = reverse_only(
+    _attention,
+    lambda cfg, args, outs: (*args[:4], *outs, *args[4:]),  # _attention_fwd's residuals
+    _attention_bwd,
+    "forward-mode autodiff (jax.jvp, jax.linearize, jax.jacfwd) through flash_attention "
+    "with bias or alibi_slopes is not supported yet; reverse mode is. For forward mode, "
+    "leave out bias/alibi_slopes or use eqx_flash.plain_attention.",
+    num_diff=4,
+)
+
+
 def _pad_axis(x: Array | None, axis: int, size: int) -> Array | None:
     if x is None or x.shape[axis] in (1, size):
         return x
@@ -108,7 +128,11 @@ def _blockwise(
         lambda m: _pad_axis(_pad_axis(m, -2, seq_q_pad), -1, seq_k_pad), (masks, mods)
     )
     # `functools.partial(jax.custom_vjp, ...)` hides the return type from type checkers.
-    out, lse = cast(tuple[Array, Array], _attention(cfg, q, k, v, mods, masks, seed))
+    if mods.is_empty:
+        result = _attention_ad(cfg, q, k, v, masks, seed)
+    else:
+        result = _attention_scores_ad(cfg, q, k, v, mods, masks, seed)
+    out, lse = cast(tuple[Array, Array], result)
     return merge_heads(out[..., : cfg.seq_q, :].astype(dtype), lse[..., : cfg.seq_q], shapes)
 
 

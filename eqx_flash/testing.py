@@ -348,6 +348,51 @@ def _evaluate(fn, static, q, k, v, arrays, weights, grads: bool):
 _evaluate_jit = jax.jit(_evaluate, static_argnums=(0, 1, 7))
 
 
+def _evaluate_jvp(fn, static, q, k, v, arrays, tangents):
+    """Tangents of `out` and `lse` (or None) along `tangents = (dq, dk, dv)`."""
+    kwargs = {**dict(static), **arrays}
+
+    def call(q, k, v):
+        return split_outputs(fn(q, k, v, **kwargs))
+
+    _, (d_out, d_lse) = jax.jvp(call, (q, k, v), tangents)
+    return d_out, d_lse
+
+
+_evaluate_jvp_jit = jax.jit(_evaluate_jvp, static_argnums=(0, 1))
+
+
+def _run_jvp(fn, kwargs: Mapping[str, Any], q, k, v, tangents, jit: bool):
+    kwargs = {
+        name: value
+        for name, value in kwargs.items()
+        if name not in ("block_q", "block_k") or _accepts(fn, name)
+    }
+    arrays = {n: x for n, x in kwargs.items() if isinstance(x, jax.Array | np.ndarray)}
+    static = tuple((n, x) for n, x in kwargs.items() if n not in arrays)
+    if not jit:
+        return _evaluate_jvp(fn, static, q, k, v, arrays, tangents)
+    try:
+        hash((fn, static))
+    except TypeError:
+        return jax.jit(functools.partial(_evaluate_jvp, fn, static))(
+            q, k, v, arrays, tangents
+        )
+    return _evaluate_jvp_jit(fn, static, q, k, v, arrays, tangents)
+
+
+def _tangents(inputs: "AttentionInputs", seed: int) -> tuple[Array, Array, Array]:
+    """Random input tangents, scaled like the inputs (so the logits move by O(1))."""
+    rng = np.random.default_rng(seed + 1)
+
+    def like(x):
+        x32 = np.asarray(jnp.asarray(x).astype(jnp.float32))
+        t = rng.standard_normal(x.shape, np.float32) * max(float(np.std(x32)), 1e-3)
+        return jnp.asarray(t.astype(jnp.dtype(x.dtype)))
+
+    return like(inputs.q), like(inputs.k), like(inputs.v)
+
+
 def _run(fn, kwargs: Mapping[str, Any], q, k, v, weights, grads: bool, jit: bool):
     kwargs = {
         name: value
@@ -422,6 +467,7 @@ def check_attention(
     *,
     reference: Callable[..., Any] = plain_attention,
     grads: bool = True,
+    jvp: bool = False,
     jit: bool = True,
     tolerance: Tolerance | None = None,
     seed: int = 0,
@@ -432,7 +478,9 @@ def check_attention(
     way (`block_q`/`block_k` are passed only to functions that accept them). Each returns
     `(out, lse, ...)` or just `out`. Compares `out`; `lse`, which must be `-inf` exactly
     where the reference's is; and, with `grads`, the gradients with respect to `q`, `k`, `v`
-    of a fixed random linear function of `out` and of the finite entries of `lse`.
+    of a fixed random linear function of `out` and of the finite entries of `lse`; and, with
+    `jvp`, the forward-mode tangents (`jax.jvp`) of `out` and `lse` along fixed random
+    tangents of `q`, `k`, `v` (judged like gradients, and never NaN).
 
     **Arguments:**
 
@@ -440,6 +488,7 @@ def check_attention(
     - `inputs`: one problem, usually drawn from [`attention_inputs`][].
     - `reference`: the oracle; default `plain_attention`.
     - `grads`: also compare gradients.
+    - `jvp`: also compare forward-mode tangents of `out` and `lse` (`jax.jvp`).
     - `jit`: run both functions under `jax.jit` (non-array keyword arguments static),
         which compiles much faster than running op by op; `False` for functions that
         cannot be traced.
@@ -474,6 +523,18 @@ def check_attention(
             floor = 0.1 * grad_scale if name in ("dq", "dk", "dv") else 0.0
             problems.append(
                 _compare(name, grad.get(name), r, tol.grad, per_tensor=True, floor=floor)
+            )
+    if jvp:
+        tangents = _tangents(inputs, seed)
+        d_out, d_lse = _run_jvp(fn, inputs.kwargs, q, k, v, tangents, jit)
+        ref_d_out, ref_d_lse = _run_jvp(reference, inputs.kwargs, q, k, v, tangents, jit)
+        pairs = [("d_out", d_out, ref_d_out)]
+        if d_lse is not None and ref_d_lse is not None:
+            pairs.append(("d_lse", d_lse, ref_d_lse))
+        scale = max(float(jnp.max(jnp.abs(r.astype(jnp.float32)))) for _, _, r in pairs)
+        for name, got, expected in pairs:
+            problems.append(
+                _compare(name, got, expected, tol.grad, per_tensor=True, floor=0.1 * scale)
             )
     problems = [p for p in problems if p is not None]
     if problems:

@@ -44,3 +44,15 @@ def test_tiny_gpt_cached_decoding_gives_the_same_tokens():
     np.testing.assert_array_equal(np.asarray(cached), np.asarray(plain))
     assert len(set(np.asarray(cached).tolist())) > 1  # not a degenerate constant stream
     assert rate_cached > 0 and rate_plain > 0
+
+
+def test_meanflow_loss_falls(capsys):
+    """The MeanFlow example (jax.jvp through FlashMultiheadAttention inside jax.grad)
+    trains: the loss falls. (Measured: 1.74 at step 0, about 1.2 by step 50.)"""
+    meanflow = _load("meanflow")
+    losses, error = meanflow.train(40, batch=32, log_every=20)
+    assert len(losses) == 40 and np.all(np.isfinite(losses))
+    first, last = losses[0], np.mean(losses[-5:])
+    assert last < first - 0.3, (first, last)
+    assert np.isfinite(error)
+    assert "one-step samples" in capsys.readouterr().out
