@@ -318,6 +318,7 @@ def test_one_pass_kernel_agrees(window):
     from eqx_flash._config import KernelConfig, Window
     from eqx_flash._forward import forward
     from eqx_flash._masking import Masks
+    from eqx_flash._scores import ScoreMods
     from eqx_flash._tangent import tangent, tangent_given_stats
 
     cfg = KernelConfig(seq_q=30, seq_k=45, block_q=16, block_k=16, window=Window(*window),
@@ -331,7 +332,7 @@ def test_one_pass_kernel_agrees(window):
     dq, dk, dv = x(1, 2, 2, 32, 8), x(1, 2, 48, 8), x(1, 2, 48, 4)
     masks = Masks(key_mask=jnp.asarray(rng.random((1, 1, 1, 1, 48)) < 0.8))
     out, lse, d_out, d_lse = tangent(cfg, q, k, v, masks, None, dq, dk, dv)
-    f_out, f_lse = forward(cfg, q, k, v, masks, None)
+    f_out, f_lse = forward(cfg, q, k, v, ScoreMods(), masks, None)
     g_out, g_lse = tangent_given_stats(cfg, q, k, v, f_out, f_lse, masks, None, dq, dk, dv)
     rows = slice(0, 30)
     np.testing.assert_allclose(out[..., rows, :], f_out[..., rows, :], atol=1e-6)
