@@ -5,6 +5,8 @@ input dtype, for `out`, `lse` and gradients). Tests that need a different bound 
 the call site with an explicit factor (`scale` for both, `rtol_scale` for the relative part).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -43,8 +45,14 @@ def assert_lse_close(actual, expected, dtype=jnp.float32, scale=1.0, rtol_scale=
                                **tolerance(dtype, "lse", scale, rtol_scale))
 
 
-def normal(key, shape, dtype=jnp.float32, std=1.0):
+@functools.partial(jax.jit, static_argnames=("shape", "dtype"))
+def _normal(key, shape, dtype, std):
     return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+def normal(key, shape, dtype=jnp.float32, std=1.0):
+    # One compiled program per shape and dtype, not one per eager op.
+    return _normal(key, tuple(shape), jnp.dtype(dtype), jnp.float32(std))
 
 
 def qkv(key, q_shape, k_shape, dim_v=None, dtype=jnp.float32):
@@ -62,12 +70,12 @@ def linear_loss(fn, weights_key, **kwargs):
 
     def loss(q, k, v):
         out, lse = fn(q, k, v, **kwargs)
-        w_out = jax.random.normal(weights_key, out.shape, jnp.float32)
-        w_lse = jax.random.normal(jax.random.fold_in(weights_key, 1), lse.shape, jnp.float32)
+        # At least float32 (half-precision sums), float64 kept for the x64 tests.
+        wide = jnp.float64 if out.dtype == jnp.float64 else jnp.float32
+        w_out = jax.random.normal(weights_key, out.shape, wide)
+        w_lse = jax.random.normal(jax.random.fold_in(weights_key, 1), lse.shape, wide)
         finite_lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
-        return jnp.sum(out.astype(jnp.float32) * w_out) + jnp.sum(
-            finite_lse.astype(jnp.float32) * w_lse
-        )
+        return jnp.sum(out.astype(wide) * w_out) + jnp.sum(finite_lse.astype(wide) * w_lse)
 
     return loss
 

@@ -8,6 +8,15 @@ import pytest
 from eqx_flash import flash_attention, plain_attention
 
 SEQ, DIM = 16384, 64
+
+
+@pytest.fixture(autouse=True)
+def optimised_compilation():
+    """Measure the program users get: conftest turns most XLA optimisations off for speed."""
+    jax.config.update("jax_disable_most_optimizations", False)
+    yield
+    jax.config.update("jax_disable_most_optimizations", True)
+
 SCORES = SEQ * SEQ * 4  # one float32 logit matrix: 1 GiB
 
 
