@@ -19,7 +19,16 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, jaxtyped
 from ._cache import KVCache
 from ._flash import flash_attention
 from ._options import check_rate, make_options
-from ._types import BlockSize, Flag, OptionalReal, RealNumber, WindowLike
+from ._types import (
+    AlibiSlopes,
+    Bias,
+    BlockSize,
+    Flag,
+    Lengths,
+    OptionalReal,
+    RealNumber,
+    WindowLike,
+)
 
 # `(seq_k,)` key padding, `(seq_q, seq_k)` shared by all heads, or one per head.
 Mask = Bool[Array, "seq_k"] | Bool[Array, "seq_q seq_k"] | Bool[Array, "heads seq_q seq_k"]
@@ -78,10 +87,11 @@ def _dropout_rate(p: Any, inference: bool, key: PRNGKeyArray | None) -> float:
 
 def _attend(
     q: Array, k: Array, v: Array, mask: Array | None, options: dict[str, Any],
-    dropout_rate: float, key: PRNGKeyArray | None,
+    dropout_rate: float, key: PRNGKeyArray | None, per_call: dict[str, Any],
 ) -> Array:
     """Unbatched `(heads, seq_q, dim)` attention with an Equinox-style mask; `options`
-    are `flash_attention`'s static keywords, as the module's fields hold them."""
+    are `flash_attention`'s static keywords, as the module's fields hold them, and
+    `per_call` its array keywords given at call time (lengths, bias, ALiBi slopes)."""
     key_mask = attn_mask = None
     if mask is not None:
         if mask.ndim == 1:
@@ -90,7 +100,7 @@ def _attend(
             attn_mask = mask
     out, _ = flash_attention(
         q, k, v, key_mask, attn_mask=attn_mask, dropout_rate=dropout_rate,
-        key=key if dropout_rate else None, **options,
+        key=key if dropout_rate else None, **options, **per_call,
     )
     return out
 
@@ -160,6 +170,10 @@ class FlashAttention(eqx.Module):
         *,
         key: PRNGKeyArray | None = None,
         inference: bool | None = None,
+        q_lengths: Lengths | None = None,
+        kv_lengths: Lengths | None = None,
+        bias: Bias | None = None,
+        alibi_slopes: AlibiSlopes | None = None,
     ) -> Float[Array, "heads seq_q dim_v"]:
         """**Arguments:**
 
@@ -170,6 +184,9 @@ class FlashAttention(eqx.Module):
             per head `(heads, seq_q, seq_k)`.
         - `key`: PRNG key for dropout (needed unless dropout is off).
         - `inference`: overrides `self.inference` for this call.
+        - `q_lengths`, `kv_lengths`, `bias`, `alibi_slopes`: as in `flash_attention`, for
+            this one example: the lengths are integer scalars (`vmap` them with the batch),
+            `bias` broadcasts to `(heads, seq_q, seq_k)`, `alibi_slopes` is `(heads,)`.
 
         **Returns:**
 
@@ -177,7 +194,9 @@ class FlashAttention(eqx.Module):
         """
         inference = self.inference if inference is None else inference
         rate = _dropout_rate(self.dropout_p, inference, key)
-        return _attend(q, k, v, mask, self._options(), rate, key)
+        per_call = dict(q_lengths=q_lengths, kv_lengths=kv_lengths, bias=bias,
+                        alibi_slopes=alibi_slopes)
+        return _attend(q, k, v, mask, self._options(), rate, key, per_call)
 
     def _options(self) -> dict[str, Any]:
         return dict(causal=self.causal, window=self.window, softcap=self.softcap,
@@ -378,6 +397,10 @@ class FlashMultiheadAttention(eqx.Module):
         inference: bool | None = None,
         deterministic: bool | None = None,
         process_heads: ProcessHeads | None = None,
+        q_lengths: Lengths | None = None,
+        kv_lengths: Lengths | None = None,
+        bias: Bias | None = None,
+        alibi_slopes: AlibiSlopes | None = None,
     ) -> Float[Array, "seq_q output_size"]:
         """**Arguments:**
 
@@ -394,6 +417,11 @@ class FlashMultiheadAttention(eqx.Module):
             `(seq_q, num_heads, qk_size)`, `(seq_k, num_kv_heads, qk_size)`,
             `(seq_k, num_kv_heads, vo_size)` returning new heads of the same shapes
             (e.g. rotary embeddings).
+        - `q_lengths`, `kv_lengths`, `bias`, `alibi_slopes`: as in `flash_attention`, for
+            this one example: the lengths are integer scalars (`vmap` them with the batch),
+            `bias` broadcasts to `(num_heads, seq_q, seq_k)`, `alibi_slopes` is
+            `(num_heads,)`. A query row at or past `q_lengths` attends to nothing, so its
+            output is the output projection of zeros.
 
         **Returns:**
 
@@ -430,6 +458,8 @@ class FlashMultiheadAttention(eqx.Module):
             heads = _attend(
                 jnp.swapaxes(q, 0, 1), jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1), mask,
                 self._options(), rate, key,
+                dict(q_lengths=q_lengths, kv_lengths=kv_lengths, bias=bias,
+                     alibi_slopes=alibi_slopes),
             )
             attn = jnp.swapaxes(heads, 0, 1).reshape(query.shape[0], -1)
             return jax.vmap(self.output_proj)(attn)

@@ -345,3 +345,60 @@ def test_flash_attention_module(getkey):
     with pytest.raises(RuntimeError, match="key"):
         attn(q, k, v)
     assert attn(q, k, v, key=drop_key).shape == (4, SEQ_Q, 6)
+
+
+def test_lengths_bias_and_alibi_at_call_time(getkey):
+    """Both modules take `q_lengths`/`kv_lengths`/`bias`/`alibi_slopes` per example, and
+    `vmap` gives per-example values: the same answer as the batched functions."""
+    batch = 3
+    q, k, v = qkv(getkey(), (batch, 4, SEQ_Q, 8), (batch, 2, SEQ_K, 8))
+    bias = jax.random.normal(getkey(), (batch, 4, SEQ_Q, SEQ_K))
+    slopes = jnp.array([0.5, 0.25, 0.125, 0.0625])
+    q_len, kv_len = jnp.array([SEQ_Q, 7, 1]), jnp.array([SEQ_K, 9, 3])
+    extra = dict(bias=bias, q_lengths=q_len, kv_lengths=kv_len)
+
+    attn = FlashAttention(causal=True, block_q=4, block_k=8)
+    out = jax.vmap(lambda q, k, v, b, lq, lk: attn(
+        q, k, v, bias=b, q_lengths=lq, kv_lengths=lk, alibi_slopes=slopes))(
+        q, k, v, bias, q_len, kv_len)
+    ref, _ = plain_attention(q, k, v, causal=True, alibi_slopes=slopes, **extra)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+    assert np.all(np.asarray(out[1, :, 7:]) == 0)  # queries past q_lengths
+
+    # The multi-head module: the same heads through the projections, and rows past
+    # q_lengths are the output projection of zeros.
+    mha = FlashMultiheadAttention(4, 16, num_kv_heads=2, causal=True, use_output_bias=True,
+                                  key=getkey())
+    x = jax.random.normal(getkey(), (batch, SEQ_K, 16))
+    y = x[:, :SEQ_Q]
+
+    def ours(y, x, b, lq, lk):
+        return mha(y, x, x, bias=b, q_lengths=lq, kv_lengths=lk, alibi_slopes=slopes)
+
+    def reference(y, x, b, lq, lk):
+        def attend(q, k, v):  # (seq, heads, size) -> heads first, plain attention, back
+            t = (jnp.swapaxes(a, 0, 1) for a in (q, k, v))
+            out, _ = plain_attention(*t, causal=True, bias=b, q_lengths=lq, kv_lengths=lk,
+                                     alibi_slopes=slopes)
+            return jnp.swapaxes(out, 0, 1)
+
+        q = jax.vmap(mha.query_proj)(y).reshape(SEQ_Q, 4, -1)
+        k = jax.vmap(mha.key_proj)(x).reshape(SEQ_K, 2, -1)
+        v = jax.vmap(mha.value_proj)(x).reshape(SEQ_K, 2, -1)
+        return jax.vmap(mha.output_proj)(attend(q, k, v).reshape(SEQ_Q, -1))
+
+    out = jax.jit(jax.vmap(ours))(y, x, bias, q_len, kv_len)
+    np.testing.assert_allclose(out, jax.vmap(reference)(y, x, bias, q_len, kv_len),
+                               rtol=1e-5, atol=1e-5)
+    zeros_out = mha.output_proj(jnp.zeros(mha.num_heads * mha.vo_size))
+    np.testing.assert_allclose(out[2, 1:], jnp.broadcast_to(zeros_out, (SEQ_Q - 1, 16)),
+                               rtol=1e-6, atol=1e-6)
+
+    # Gradients reach the bias and the slopes through the module.
+    d_bias, d_slopes = jax.grad(lambda b, s: jnp.sum(attn(
+        q[0], k[0], v[0], bias=b, alibi_slopes=s) ** 2), argnums=(0, 1))(bias[0], slopes)
+    r_bias, r_slopes = jax.grad(lambda b, s: jnp.sum(plain_attention(
+        q[0], k[0], v[0], causal=True, bias=b, alibi_slopes=s)[0] ** 2), argnums=(0, 1))(
+        bias[0], slopes)
+    np.testing.assert_allclose(d_bias, r_bias, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(d_slopes, r_slopes, rtol=1e-4, atol=1e-5)
