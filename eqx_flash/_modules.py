@@ -194,9 +194,11 @@ class FlashAttention(eqx.Module):
         """
         inference = self.inference if inference is None else inference
         rate = _dropout_rate(self.dropout_p, inference, key)
-        per_call = dict(q_lengths=q_lengths, kv_lengths=kv_lengths, bias=bias,
-                        alibi_slopes=alibi_slopes)
-        return _attend(q, k, v, mask, self._options(), rate, key, per_call)
+        return _attend(
+            q, k, v, mask, self._options(), rate, key,
+            dict(q_lengths=q_lengths, kv_lengths=kv_lengths, bias=bias,
+                 alibi_slopes=alibi_slopes),
+        )
 
     def _options(self) -> dict[str, Any]:
         return dict(causal=self.causal, window=self.window, softcap=self.softcap,

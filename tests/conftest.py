@@ -1,3 +1,4 @@
+import itertools
 import os
 
 # Compile time dominates this suite on CPU. Turning most XLA optimisations off roughly halves
@@ -41,6 +42,6 @@ def getkey():
     """A fresh PRNG key per call: `getkey()`."""
     # fold_in compiles once per process; iterating a split of 10k keys compiled an unstack
     # with 10k outputs.
-    counter = iter(range(10**9))
+    counter = itertools.count()
     base = jax.random.key(0)
     return lambda: jax.random.fold_in(base, next(counter))

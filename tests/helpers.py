@@ -5,6 +5,7 @@ input dtype, for `out`, `lse` and gradients). Tests that need a different bound 
 the call site with an explicit factor (`scale` for both, `rtol_scale` for the relative part).
 """
 
+import contextlib
 import functools
 
 import jax
@@ -43,6 +44,18 @@ def assert_lse_close(actual, expected, dtype=jnp.float32, scale=1.0, rtol_scale=
     finite = np.isfinite(e)
     np.testing.assert_allclose(a[finite], e[finite], err_msg="lse",
                                **tolerance(dtype, "lse", scale, rtol_scale))
+
+
+@contextlib.contextmanager
+def optimised_compilation():
+    """Compile with XLA's optimisations on, as users do: `conftest.py` turns most of them off
+    for speed, which changes the buffers that a memory measurement sees."""
+    before = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", before)
 
 
 @functools.partial(jax.jit, static_argnames=("shape", "dtype"))

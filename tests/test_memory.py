@@ -4,20 +4,19 @@ of size seq_q x seq_k. Checked on XLA's buffer assignment, so nothing big is all
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import optimised_compilation
 
 from eqx_flash import flash_attention, plain_attention
 
 SEQ, DIM = 16384, 64
+SCORES = SEQ * SEQ * 4  # one float32 logit matrix: 1 GiB
 
 
 @pytest.fixture(autouse=True)
-def optimised_compilation():
-    """Measure the program users get: conftest turns most XLA optimisations off for speed."""
-    jax.config.update("jax_disable_most_optimizations", False)
-    yield
-    jax.config.update("jax_disable_most_optimizations", True)
-
-SCORES = SEQ * SEQ * 4  # one float32 logit matrix: 1 GiB
+def _users_compilation():
+    """Measure the program users get (see `helpers.optimised_compilation`)."""
+    with optimised_compilation():
+        yield
 
 
 def _temp_bytes(attention, causal):
