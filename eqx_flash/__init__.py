@@ -1,5 +1,7 @@
 import importlib.metadata
 
+from ._cache import KVCache as KVCache
+from ._cache import rotary as rotary
 from ._cosine import cosine_sim_flash_attention as cosine_sim_flash_attention
 from ._flash import causal_flash_attention as causal_flash_attention
 from ._flash import flash_attention as flash_attention

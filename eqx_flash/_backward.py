@@ -29,14 +29,18 @@ from ._block import (
     dropout_multiplier,
     folds_scale,
     logits_t,
+    matmul_t,
+    positions,
     scaled,
+    score_terms,
     skip_if_empty,
     transposed,
 )
 from ._config import KernelConfig, stat_dtype
 from ._heads import Head, per_head
 from ._masking import Masks
-from ._schedule import Bands, band_ranges, over_band, segment_limits
+from ._schedule import Bands, band_ranges, over_band, run_limits
+from ._scores import ScoreMods, accumulate
 from ._softmax import finite_lse
 
 
@@ -86,18 +90,26 @@ def backward(
     q: Array,
     k: Array,
     v: Array,
+    mods: ScoreMods,
     lse: Array,
     delta: Array,
     d_out: Array,
     masks: Masks,
     seed: Array | None,
-) -> tuple[Array, Array, Array]:
-    """Cotangents of q, k, v (internal layout) given `lse` and `delta` from `prepare` and
-    the cotangent `d_out` of `out`."""
-    bands = band_ranges(cfg.seq_q, cfg.seq_k, cfg.block_q, cfg.block_k, cfg.window,
+) -> tuple[Array, Array, Array, ScoreMods]:
+    """Cotangents of q, k, v and the score terms `mods` (internal layout) given `lse`
+    and `delta` from `prepare` and the cotangent `d_out` of `out`."""
+    bands = band_ranges(cfg.seq_q, cfg.seq_k, cfg.block_q, cfg.block_k, cfg.band_window,
                         cfg.offset, by="k")
     kernel = functools.partial(_head, cfg, bands, seed, not masks.is_empty)
-    return per_head(kernel, masks, (q, k, v, d_out, lse, delta))
+    d_q, d_k, d_v, d_mods = per_head(kernel, (masks, mods), (q, k, v, d_out, lse, delta))
+
+    def reduce(grad: Array, like: Array) -> Array:
+        """Per-(batch, kv head) cotangents summed where the term broadcast over them."""
+        axes = tuple(a for a in (0, 1) if like.shape[a] == 1)
+        return grad.sum(axis=axes, keepdims=True).astype(like.dtype)
+
+    return d_q, d_k, d_v, jax.tree.map(reduce, d_mods, mods)
 
 
 def _cut(x: Array, block: int) -> tuple[Array, Array]:
@@ -111,7 +123,7 @@ def _cut(x: Array, block: int) -> tuple[Array, Array]:
 def _head(
     cfg: KernelConfig, bands: Bands, seed: Array | None, has_data_mask: bool, head: Head,
     arrays: tuple[Array, ...],
-) -> tuple[Array, Array, Array]:
+) -> tuple[Array, Array, Array, ScoreMods]:
     q, k, v, d_out, lse, delta = arrays
     stat = stat_dtype(q.dtype)
     groups, seq_q_pad, dim = q.shape
@@ -124,42 +136,47 @@ def _head(
     )
     inputs = _HeadInputs(cfg, head, seed, has_data_mask, query, groups, q.dtype, v.dtype)
     keys = (k.reshape(num_k, bk, dim), v.reshape(num_k, bk, dim_v))
-    limits = segment_limits(cfg, head.masks, by="k")
+    limits = run_limits(cfg, head.masks, by="k")
 
-    def key_block(dq_cols, j):
-        return _key_block(inputs, bands, limits, keys, dq_cols, j)
+    def key_block(carry, j):
+        return _key_block(inputs, bands, limits, keys, carry, j)
 
-    dq_cols, (d_k, d_v) = jax.lax.scan(
-        key_block, jnp.zeros_like(query.q_cols, stat), jnp.arange(num_k, dtype=jnp.int32)
+    d_mods = jax.tree.map(lambda m: jnp.zeros_like(m, stat), head.mods)
+    (dq_cols, d_mods), (d_k, d_v) = jax.lax.scan(
+        key_block, (jnp.zeros_like(query.q_cols, stat), d_mods),
+        jnp.arange(num_k, dtype=jnp.int32),
     )
     # (num_q, d, g * bq) -> (g, seq_q, d)
     d_q = dq_cols.reshape(num_q, dim, groups, bq).transpose(2, 0, 3, 1)
     d_q = d_q.reshape(groups, seq_q_pad, dim) * jnp.asarray(cfg.scale, stat)
-    return d_q.astype(q.dtype), d_k.reshape(seq_k_pad, dim), d_v.reshape(seq_k_pad, dim_v)
+    d_k, d_v = d_k.reshape(seq_k_pad, dim), d_v.reshape(seq_k_pad, dim_v)
+    return d_q.astype(q.dtype), d_k, d_v, d_mods
 
 
 def _key_block(
     inputs: _HeadInputs, bands: Bands, limits: tuple[Array, Array] | None,
-    keys: tuple[Array, Array], dq_cols: Array, j: Array,
-) -> tuple[Array, tuple[Array, Array]]:
-    """Key block `j`'s dk and dv, adding its share of dq into `dq_cols`."""
+    keys: tuple[Array, Array], carry: tuple[Array, ScoreMods], j: Array,
+) -> tuple[tuple[Array, ScoreMods], tuple[Array, Array]]:
+    """Key block `j`'s dk and dv, adding its share of dq (and of the score terms'
+    cotangents) into the carry."""
     cfg = inputs.cfg
+    dq_cols, d_mods = carry
     stat = dq_cols.dtype
     k_blk, v_blk = keys[0][j], keys[1][j]
     block = _KeyBlock(j * cfg.block_k, k_blk, k_blk.T, v_blk)
     step = functools.partial(_query_step, inputs, block)
     # `*_like`: under shard_map the state must vary across devices as k and v do.
-    init = (dq_cols, jnp.zeros_like(k_blk, stat), jnp.zeros_like(v_blk, stat))
-    dq_cols, dk_b, dv_b = over_band(bands, j, step, init, limits)
+    init = (dq_cols, jnp.zeros_like(k_blk, stat), jnp.zeros_like(v_blk, stat), d_mods)
+    dq_cols, dk_b, dv_b, d_mods = over_band(bands, j, step, init, limits)
     if not folds_scale(inputs.dtype):
         dk_b = dk_b * jnp.asarray(cfg.scale, stat)  # q was left unscaled
-    return dq_cols, (dk_b.astype(inputs.dtype), dv_b.astype(inputs.v_dtype))
+    return (dq_cols, d_mods), (dk_b.astype(inputs.dtype), dv_b.astype(inputs.v_dtype))
 
 
 def _query_step(
-    inputs: _HeadInputs, block: _KeyBlock, carry: tuple[Array, Array, Array], i: Array,
-    positional: bool,
-) -> tuple[Array, Array, Array]:
+    inputs: _HeadInputs, block: _KeyBlock, carry: tuple[Array, Array, Array, ScoreMods],
+    i: Array, positional: bool,
+) -> tuple[Array, Array, Array, ScoreMods]:
     """Add query block `i`'s contribution to the gradients of one key block."""
     cfg = inputs.cfg
     q_start = i * cfg.block_q
@@ -171,16 +188,18 @@ def _query_step(
 
 def _update(
     inputs: _HeadInputs, block: _KeyBlock, q_start: Array, mask: Array | None, i: Array,
-    carry: tuple[Array, Array, Array],
-) -> tuple[Array, Array, Array]:
-    cfg, query = inputs.cfg, inputs.query
-    dq_cols, dk_b, dv_b = carry
+    carry: tuple[Array, Array, Array, ScoreMods],
+) -> tuple[Array, Array, Array, ScoreMods]:
+    cfg, query, head = inputs.cfg, inputs.query, inputs.head
+    dq_cols, dk_b, dv_b, d_mods = carry
     stat = dk_b.dtype
-    s, t = logits_t(cfg, block.k, query.q_cols[i])
+    add = score_terms(cfg, head, q_start, block.start, stat)
+    add_t = transposed(add, inputs.groups, cfg.block_q)
+    s, t = logits_t(cfg, block.k, query.q_rows[i], query.q_cols[i], add_t)
     if mask is not None:
         s = jnp.where(mask, s, -jnp.inf)
     p = jnp.exp(s - query.lse_cols[i])
-    dp = jnp.matmul(block.v, query.do_cols[i], preferred_element_type=stat)
+    dp = matmul_t(block.v, query.do_rows[i], query.do_cols[i], stat)
     drop = dropout_multiplier(cfg, inputs.seed, inputs.head, q_start, block.start, stat)
     drop = transposed(drop, inputs.groups, cfg.block_q)
     p_v = p
@@ -191,9 +210,14 @@ def _update(
     ds = p * (dp - query.delta_cols[i])
     if t is not None:
         ds = ds * (1.0 - t * t)
+    if not head.mods.is_empty:  # ds is the cotangent of the score terms too
+        d_scores = ds.reshape(cfg.block_k, inputs.groups, cfg.block_q).transpose(1, 2, 0)
+        q_pos, k_pos = positions(cfg, q_start, block.start)
+        d_mods = accumulate(d_mods, head.mods, d_scores, q_start, block.start, q_pos, k_pos,
+                            cfg.offset)
     ds = ds.astype(inputs.dtype)
     # dk against the scaled queries is exact; dq is scaled once at the end.
     dk_b = dk_b + jnp.matmul(ds, query.q_rows[i], preferred_element_type=stat)
     dq_blk = dq_cols[i] + jnp.matmul(block.k_t, ds, preferred_element_type=stat)
     dq_cols = jax.lax.dynamic_update_index_in_dim(dq_cols, dq_blk, i, axis=0)
-    return dq_cols, dk_b, dv_b
+    return dq_cols, dk_b, dv_b, d_mods

@@ -15,7 +15,8 @@ from jaxtyping import Array
 
 from ._config import KernelConfig, stat_dtype
 from ._heads import Head
-from ._masking import Masks, data_mask, dropout_keep, positional_mask
+from ._masking import Masks, data_mask, dropout_keep, length_mask, lengths_or, positional_mask
+from ._scores import additive
 
 
 def rows(x: Array, start: Array, size: int, axis: int) -> Array:
@@ -45,29 +46,62 @@ def matmul(a: Array, b: Array, spec: str, dtype: jnp.dtype) -> Array:
     return out.reshape(groups, rows_, out.shape[-1])
 
 
-def logits(cfg: KernelConfig, q_blk: Array, k_blk: Array) -> tuple[Array, Array | None]:
+def logits(
+    cfg: KernelConfig, q_blk: Array, k_blk: Array, add: Array | None
+) -> tuple[Array, Array | None]:
     """Logits `(groups, block_q, block_k)` in the statistics dtype, from queries passed
-    through `scaled` (so the scale is applied once, wherever `scaled` put it).
+    through `scaled` (so the scale is applied once, wherever `scaled` put it), plus the
+    score terms `add` (`score_terms`), then soft-capped.
 
     Returns `(s, tanh)`: the capped logits and, with a softcap, the tanh the backward
     pass needs for the cap's derivative.
     """
     stat = stat_dtype(q_blk.dtype)
-    return _scale_and_cap(cfg, matmul(q_blk, k_blk, "qd,kd->qk", stat), q_blk.dtype)
+    s = matmul(q_blk, k_blk, "qd,kd->qk", stat)
+    return _scale_and_cap(cfg, s, q_blk.dtype, add)
 
 
-def logits_t(cfg: KernelConfig, k_blk: Array, q_cols: Array) -> tuple[Array, Array | None]:
+def logits_t(
+    cfg: KernelConfig, k_blk: Array, q_rows: Array, q_cols: Array, add_t: Array | None
+) -> tuple[Array, Array | None]:
     """`logits` transposed, `(block_k, groups * block_q)`, from a key block `(block_k, d)`
-    and the transposed query block `(d, groups * block_q)`."""
+    and the query block as rows `(groups * block_q, d)` and transposed
+    `(d, groups * block_q)`; `add_t` is `transposed`."""
     stat = stat_dtype(q_cols.dtype)
-    s = jnp.matmul(k_blk, q_cols, preferred_element_type=stat)
-    return _scale_and_cap(cfg, s, q_cols.dtype)
+    s = matmul_t(k_blk, q_rows, q_cols, stat)
+    return _scale_and_cap(cfg, s, q_cols.dtype, add_t)
 
 
-def _scale_and_cap(cfg: KernelConfig, s: Array, dtype: jnp.dtype) -> tuple[Array, Array | None]:
+# XLA's CPU dot picks its kernel, and with it the order it sums over `d`, by the shapes of
+# the product: `(rows, bk)` and its transpose `(bk, rows)` can round differently. With a
+# key block this narrow, the untransposed product is the more accurate one (0.7 against
+# 1.6 ulp on average, at `bk = 8`) and it is the one the forward's softmax used.
+NARROW_BLOCK_K = 64
+
+
+def matmul_t(a: Array, b_rows: Array, b_cols: Array, dtype: jnp.dtype) -> Array:
+    """`a @ b_cols`, `(block_k, groups * block_q)`, for a key-side block `a` `(block_k, x)`
+    and a query-side block given both as rows `(groups * block_q, x)` and as `b_cols`.
+
+    A key block narrower than `NARROW_BLOCK_K` is multiplied as the forward multiplies it,
+    `b_rows @ a^T`, and transposed (a barrier stops XLA from folding the transpose back
+    into the product): the backward's `exp(s - lse)` then rounds as the forward's softmax
+    did, and `dp` as `plain_attention`'s. A narrow block is cheap to transpose.
+    """
+    if a.shape[0] >= NARROW_BLOCK_K or a.dtype != jnp.dtype(dtype):
+        return jnp.matmul(a, b_cols, preferred_element_type=dtype)
+    rows = jnp.einsum("qd,kd->qk", b_rows, a, preferred_element_type=dtype)
+    return jax.lax.optimization_barrier(rows).T
+
+
+def _scale_and_cap(
+    cfg: KernelConfig, s: Array, dtype: jnp.dtype, add: Array | None
+) -> tuple[Array, Array | None]:
     stat = s.dtype
     if not folds_scale(dtype):
         s = s * jnp.asarray(cfg.scale, stat)
+    if add is not None:
+        s = s + add
     if cfg.softcap is None:
         return s, None
     cap = jnp.asarray(cfg.softcap, stat)
@@ -82,15 +116,30 @@ def positions(cfg: KernelConfig, q_start: Array, k_start: Array) -> tuple[Array,
     return q_pos, k_pos
 
 
+def score_terms(
+    cfg: KernelConfig, head: Head, q_start: Array, k_start: Array, dtype: jnp.dtype
+) -> Array | None:
+    """The bias/ALiBi term of one block, `(groups|1, block_q|1, block_k|1)` (None: none)."""
+    if head.mods.is_empty:
+        return None
+    q_pos, k_pos = positions(cfg, q_start, k_start)
+    return additive(head.mods, q_start, k_start, q_pos, k_pos, cfg.offset, cfg.block_q,
+                    cfg.block_k, dtype)
+
+
 def allowed(
     cfg: KernelConfig, masks: Masks, q_start: Array, k_start: Array, positional: bool
 ) -> Array | None:
     """Which pairs of the block attend, `(groups|1, block_q|1, block_k)` (None: all)."""
     mask = data_mask(masks, q_start, k_start, cfg.block_q, cfg.block_k)
+    q_pos, k_pos = positions(cfg, q_start, k_start)  # unused ones cost nothing once traced
     if positional:
-        q_pos, k_pos = positions(cfg, q_start, k_start)
-        pos = positional_mask(q_pos, k_pos, cfg.offset, cfg.seq_k, cfg.window)
+        pos = positional_mask(q_pos, k_pos, cfg.offset, cfg.seq_k, cfg.band_window)
         mask = pos if mask is None else mask & pos
+    if masks.has_lengths:
+        q_len, kv_len = lengths_or(masks, cfg.seq_q, cfg.seq_k)
+        by_length = length_mask(q_pos, k_pos, q_len, kv_len, cfg.window)
+        mask = by_length if mask is None else mask & by_length
     return mask
 
 

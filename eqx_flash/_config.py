@@ -53,10 +53,21 @@ class KernelConfig:
     softcap: float | None = None
     dropout_rate: float = 0.0
     diagonal_offset: int | None = None  # None: seq_k - seq_q
+    # Variable lengths given: the window aligns on them at run time (`_masking.length_mask`),
+    # so the static band (`band_window`) is unbounded and run-time limits narrow it.
+    lengths: bool = False
+    # Flash-decoding: > 1 splits the key blocks into this many parallel runs whose partial
+    # results are merged by their lse (`_decode`); 1 is the regular forward.
+    splits: int = 1
 
     @property
     def offset(self) -> int:
         return self.seq_k - self.seq_q if self.diagonal_offset is None else self.diagonal_offset
+
+    @property
+    def band_window(self) -> Window:
+        """The window the static schedule and the positional mask use."""
+        return Window(None, None) if self.lengths else self.window
 
 
 def kernel_config(options: AttentionOptions, shapes: Shapes) -> KernelConfig:
@@ -109,3 +120,31 @@ def stat_dtype(dtype) -> jnp.dtype:
     promotion rejects for bfloat16/float16.)
     """
     return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.float32)
+
+
+# Flash-decoding (`_decode`): a call with at most this many queries against at least
+# `DECODE_MIN_BLOCKS` key blocks splits its key blocks into parallel runs.
+DECODE_MAX_Q = 16
+DECODE_MIN_BLOCKS = 2
+DECODE_SPLITS = 8
+
+
+def decode_splits(cfg: KernelConfig) -> int:
+    """How many parallel runs the key blocks of `cfg` are split into: `DECODE_SPLITS` (at
+    most one per key block) when `seq_q <= DECODE_MAX_Q` and there are at least
+    `DECODE_MIN_BLOCKS` key blocks, else 1 (the regular forward)."""
+    num_k = -(-cfg.seq_k // cfg.block_k)
+    if cfg.seq_q > DECODE_MAX_Q or num_k < DECODE_MIN_BLOCKS:
+        return 1
+    return min(DECODE_SPLITS, num_k)
+
+
+def decode_config(cfg: KernelConfig) -> KernelConfig:
+    """`cfg` with `splits` set (`decode_splits`) and, when split, `block_k` evened out so
+    that the key blocks fill whole rounds of `splits` blocks (at most `block_k` still)."""
+    splits = decode_splits(cfg)
+    if splits == 1:
+        return cfg
+    rounds = -(-cfg.seq_k // (splits * cfg.block_k))
+    block_k = -(-cfg.seq_k // (splits * rounds))
+    return dataclasses.replace(cfg, splits=splits, block_k=block_k)

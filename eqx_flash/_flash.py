@@ -9,6 +9,7 @@ The kernels see only padded arrays in the internal layout; this module is the on
 that knows about the public shapes.
 """
 
+import dataclasses
 import functools
 from typing import Any, cast
 
@@ -18,18 +19,24 @@ from beartype import beartype
 from jaxtyping import Array, PRNGKeyArray, jaxtyped
 
 from ._backward import backward, prepare
-from ._config import KernelConfig, kernel_config, kernel_dtype
+from ._config import KernelConfig, decode_config, kernel_config, kernel_dtype
+from ._decode import decode_forward
 from ._forward import forward
-from ._masking import Masks, dropout_seed
+from ._masking import Masks, dropout_seed, valid_rows
 from ._options import make_options
+from ._scores import ScoreMods
 from ._shapes import Shapes, merge_heads, split_heads
+from ._tangent import reverse_only, with_forward_mode
 from ._types import (
     LSE,
+    AlibiSlopes,
+    Bias,
     BlockSize,
     Flag,
     Key,
     KeyMask,
     KeySegmentIds,
+    Lengths,
     OptionalReal,
     Output,
     PairMask,
@@ -39,28 +46,62 @@ from ._types import (
     Value,
     WindowLike,
 )
-from ._validation import check_dropout_key, check_masks, check_qkv
+from ._validation import (
+    check_dropout_key,
+    check_lengths,
+    check_masks,
+    check_qkv,
+    check_score_mods,
+)
+
+
+def _forward(cfg: KernelConfig, q, k, v, mods: ScoreMods, masks: Masks, seed):
+    """The forward kernel for `cfg`: flash-decoding when `cfg.splits > 1`
+    (`_config.decode_splits`) and there are no score terms, else the regular one."""
+    if cfg.splits > 1 and mods.is_empty:
+        return decode_forward(cfg, q, k, v, masks, seed)
+    return forward(cfg, q, k, v, mods, masks, seed)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(cfg: KernelConfig, q, k, v, masks: Masks, seed):
-    return forward(cfg, q, k, v, masks, seed)
+def _attention(cfg: KernelConfig, q, k, v, mods: ScoreMods, masks: Masks, seed):
+    return _forward(cfg, q, k, v, mods, masks, seed)
 
 
-def _attention_fwd(cfg, q, k, v, masks, seed):
-    out, lse = forward(cfg, q, k, v, masks, seed)
-    return (out, lse), (q, k, v, out, lse, masks, seed)
+def _attention_fwd(cfg, q, k, v, mods, masks, seed):
+    out, lse = _forward(cfg, q, k, v, mods, masks, seed)
+    return (out, lse), (q, k, v, mods, out, lse, masks, seed)
 
 
 def _attention_bwd(cfg, residuals, cotangents):
-    q, k, v, out, lse, masks, seed = residuals
+    q, k, v, mods, out, lse, masks, seed = residuals
     lse, delta = prepare(out, lse, *cotangents)
-    d_q, d_k, d_v = backward(cfg, q, k, v, lse, delta, cotangents[0], masks, seed)
+    d_q, d_k, d_v, d_mods = backward(cfg, q, k, v, mods, lse, delta, cotangents[0], masks,
+                                     seed)
     no_grad = jax.tree.map(lambda _: None, masks)
-    return d_q, d_k, d_v, no_grad, None
+    return d_q, d_k, d_v, d_mods, no_grad, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _attention_without_scores(cfg: KernelConfig, q, k, v, masks: Masks, seed):
+    return _attention(cfg, q, k, v, ScoreMods(), masks, seed)
+
+
+# Forward mode on top: a custom_jvp whose tangent transposes into `_attention_bwd`'s kernel
+# (`_tangent`). The tangent kernel has no score terms yet: with a bias or ALiBi, forward
+# mode raises a clear error, and reverse mode is `_attention_bwd` as before.
+_attention_ad = with_forward_mode(_attention_without_scores)
+_attention_scores_ad = reverse_only(
+    _attention,
+    lambda cfg, args, outs: (*args[:4], *outs, *args[4:]),  # _attention_fwd's residuals
+    _attention_bwd,
+    "forward-mode autodiff (jax.jvp, jax.linearize, jax.jacfwd) through flash_attention "
+    "with bias or alibi_slopes is not supported yet; reverse mode is. For forward mode, "
+    "leave out bias/alibi_slopes or use eqx_flash.plain_attention.",
+    num_diff=4,
+)
 
 
 def _pad_axis(x: Array | None, axis: int, size: int) -> Array | None:
@@ -72,17 +113,26 @@ def _pad_axis(x: Array | None, axis: int, size: int) -> Array | None:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "shapes"))
-def _blockwise(q, k, v, masks: Masks, seed, *, cfg: KernelConfig, shapes: Shapes):
+def _blockwise(
+    q, k, v, mods: ScoreMods, masks: Masks, seed, *, cfg: KernelConfig, shapes: Shapes
+):
     dtype = q.dtype
     compute = kernel_dtype(dtype)
-    q, k, v = (x.astype(compute) for x in split_heads(q, k, v, shapes))
+    q, k, v = split_heads(q, k, v, shapes)
+    q, k, v = (x.astype(compute) for x in valid_rows(q, k, v, masks, cfg.seq_q, cfg.seq_k))
     seq_q_pad = -(-cfg.seq_q // cfg.block_q) * cfg.block_q
     seq_k_pad = -(-cfg.seq_k // cfg.block_k) * cfg.block_k
     q = _pad_axis(q, 3, seq_q_pad)
     k, v = _pad_axis(k, 2, seq_k_pad), _pad_axis(v, 2, seq_k_pad)
-    masks = Masks._make(_pad_axis(_pad_axis(m, -2, seq_q_pad), -1, seq_k_pad) for m in masks)
+    masks, mods = jax.tree.map(
+        lambda m: _pad_axis(_pad_axis(m, -2, seq_q_pad), -1, seq_k_pad), (masks, mods)
+    )
     # `functools.partial(jax.custom_vjp, ...)` hides the return type from type checkers.
-    out, lse = cast(tuple[Array, Array], _attention(cfg, q, k, v, masks, seed))
+    if mods.is_empty:
+        result = _attention_ad(cfg, q, k, v, masks, seed)
+    else:
+        result = _attention_scores_ad(cfg, q, k, v, mods, masks, seed)
+    out, lse = cast(tuple[Array, Array], result)
     return merge_heads(out[..., : cfg.seq_q, :].astype(dtype), lse[..., : cfg.seq_q], shapes)
 
 
@@ -98,12 +148,16 @@ def flash_attention(
     window: WindowLike = None,
     q_segment_ids: QuerySegmentIds | None = None,
     kv_segment_ids: KeySegmentIds | None = None,
+    q_lengths: Lengths | None = None,
+    kv_lengths: Lengths | None = None,
     scale: OptionalReal = None,
     softcap: OptionalReal = None,
     block_q: BlockSize = None,
     block_k: BlockSize = None,
     dropout_rate: RealNumber = 0.0,
     key: PRNGKeyArray | None = None,
+    bias: Bias | None = None,
+    alibi_slopes: AlibiSlopes | None = None,
 ) -> tuple[Output, LSE]:
     """Exact attention in blocks, with memory linear in the sequence length.
 
@@ -120,10 +174,26 @@ def flash_attention(
         `p - left <= j <= p + right` with `p = i + seq_k - seq_q`; `None` is unbounded.
     - `q_segment_ids`, `kv_segment_ids`: integer ids `(*batch, [heads,] seq_q|seq_k)`; a
         query attends only to keys with an equal id. Both or neither.
+    - `q_lengths`, `kv_lengths`: integer arrays `(*batch,)` (any leading axis may be 1 or
+        missing): the number of valid queries and keys of each batch element, the rest
+        being right padding. Keys at or past `kv_lengths` never attend; queries at or past
+        `q_lengths` get `out = 0`, `lse = -inf` and zero gradients; `causal` and `window`
+        align bottom-right on the valid lengths (`p = i + kv_length - q_length`). Key blocks
+        past the lengths are not computed. Padding (and keys the key `mask` hides from every
+        query head) may hold NaN or inf: it reaches no output and no gradient.
     - `scale`: logit scale, default `1/sqrt(dim)`.
     - `softcap`: if given, logits become `softcap * tanh(logits / softcap)` after scaling.
     - `block_q`, `block_k`: block sizes; default to values tuned for CPU.
     - `dropout_rate`, `key`: dropout on the attention weights (needs a PRNG `key`).
+    - `bias`: additive float bias broadcastable to `(*batch, heads, seq_q, seq_k)`, any
+        float dtype; differentiable (its cotangent is reduced over the axes it was
+        broadcast along and returned in its own shape and dtype).
+    - `alibi_slopes`: `(heads,)` or `(*batch, heads)`: adds `-slope * |i + seq_k - seq_q
+        - j|` to the logit of query `i` and key `j` (FlashAttention-2's ALiBi, aligned
+        bottom-right like `causal`), computed in the kernel; differentiable.
+
+    Order of operations: `s = scale * q.k + bias + alibi`, then `softcap`, then every
+    mask; dropout after the softmax.
 
     **Returns:**
 
@@ -148,10 +218,13 @@ def flash_attention(
     )
     q, k, v, shapes = check_qkv(q, k, v)
     masks = check_masks(shapes, mask, attn_mask, q_segment_ids, kv_segment_ids)
+    mods = check_score_mods(shapes, bias, alibi_slopes)
+    masks = check_lengths(shapes, masks, q_lengths, kv_lengths)
     key = check_dropout_key(options.dropout_rate, key)
     cfg = kernel_config(options, shapes)
+    cfg = decode_config(dataclasses.replace(cfg, lengths=masks.has_lengths))
     seed = None if key is None else dropout_seed(key)
-    return _blockwise(q, k, v, masks, seed, cfg=cfg, shapes=shapes)
+    return _blockwise(q, k, v, mods, masks, seed, cfg=cfg, shapes=shapes)
 
 
 @jaxtyped(typechecker=beartype)

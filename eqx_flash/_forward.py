@@ -18,11 +18,21 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from . import _softmax
-from ._block import allowed, dropout_multiplier, logits, matmul, rows, scaled, skip_if_empty
+from ._block import (
+    allowed,
+    dropout_multiplier,
+    logits,
+    matmul,
+    rows,
+    scaled,
+    score_terms,
+    skip_if_empty,
+)
 from ._config import KernelConfig, stat_dtype
 from ._heads import Head, per_head
 from ._masking import Masks
-from ._schedule import Bands, band_ranges, over_band, segment_limits
+from ._schedule import Bands, band_ranges, over_band, run_limits
+from ._scores import ScoreMods
 
 
 class _HeadInputs(NamedTuple):
@@ -38,14 +48,15 @@ class _HeadInputs(NamedTuple):
 
 
 def forward(
-    cfg: KernelConfig, q: Array, k: Array, v: Array, masks: Masks, seed: Array | None
+    cfg: KernelConfig, q: Array, k: Array, v: Array, mods: ScoreMods, masks: Masks,
+    seed: Array | None,
 ) -> tuple[Array, Array]:
     """Returns `out` `(b, h, g, seq_q_padded, dim_v)` in q's dtype and `lse`
     `(b, h, g, seq_q_padded)` in the statistics dtype (-inf for rows with no key)."""
-    bands = band_ranges(cfg.seq_q, cfg.seq_k, cfg.block_q, cfg.block_k, cfg.window,
+    bands = band_ranges(cfg.seq_q, cfg.seq_k, cfg.block_q, cfg.block_k, cfg.band_window,
                         cfg.offset, by="q")
     kernel = functools.partial(_head, cfg, bands, seed, not masks.is_empty)
-    return per_head(kernel, masks, (q, k, v))
+    return per_head(kernel, (masks, mods), (q, k, v))
 
 
 def _head(
@@ -55,7 +66,7 @@ def _head(
     q, k, v = arrays  # (g, seq_q, d), (seq_k, d), (seq_k, dv)
     groups, seq_q_pad = q.shape[:2]
     inputs = _HeadInputs(cfg, head, seed, has_data_mask, scaled(cfg, q), k, v)
-    limits = segment_limits(cfg, head.masks, by="q")
+    limits = run_limits(cfg, head.masks, by="q")
 
     def query_block(_, i):
         return None, _query_block(inputs, bands, limits, i)
@@ -103,7 +114,8 @@ def _update(
     stat = state.acc.dtype
     k_blk = rows(inputs.k, k_start, cfg.block_k, 0)
     v_blk = rows(inputs.v, k_start, cfg.block_k, 0)
-    s, _ = logits(cfg, q_blk, k_blk)
+    add = score_terms(cfg, inputs.head, q_start, k_start, stat)
+    s, _ = logits(cfg, q_blk, k_blk, add)
     if mask is not None:
         s = jnp.where(mask, s, -jnp.inf)
     p, alpha, row_max, row_sum = _softmax.rescale(state, s)

@@ -13,21 +13,25 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from ._masking import Masks, flat_head_index
+from ._scores import ScoreMods
 
 
 class Head(NamedTuple):
     """What one kv head's kernel sees besides its q, k, v slices."""
 
     masks: Masks  # each `(groups|1, seq_q|1, seq_k|1)`
+    mods: ScoreMods  # likewise
     head_ids: Array  # flat q-head index of each group, `(groups, 1, 1)` (for dropout)
 
 
 HeadKernel = Callable[[Head, tuple[Array, ...]], Any]
+Shared = tuple[Masks, ScoreMods]
 
 
-def per_head(fn: HeadKernel, masks: Masks, arrays: tuple[Array, ...]) -> Any:
+def per_head(fn: HeadKernel, shared: Shared, arrays: tuple[Array, ...]) -> Any:
     """Map `fn(head, per_head_arrays)` over the `(batch, kv_heads)` axes of `arrays`
-    (all have them first); results are stacked back on those axes.
+    (all have them first); results are stacked back on those axes. `shared` (masks and
+    score terms) have those axes too, or size 1 where they broadcast.
 
     On one device, a `lax.map` loop: 2-d block matmuls, the fastest form on CPU. With
     several devices the batch or heads axis may be sharded, and a loop over a sharded axis
@@ -37,48 +41,48 @@ def per_head(fn: HeadKernel, masks: Masks, arrays: tuple[Array, ...]) -> Any:
     batch, kv_heads = arrays[0].shape[:2]
     groups = arrays[0].shape[2] if arrays[0].ndim == 5 else 1
 
-    def one(b: Array, h: Array, xs: tuple[Array, ...], masks_bh: Masks) -> Any:
-        return fn(Head(masks_bh, flat_head_index(b, h, kv_heads, groups)), xs)
+    def one(b: Array, h: Array, xs: tuple[Array, ...], shared_bh: Shared) -> Any:
+        masks_bh, mods_bh = shared_bh
+        return fn(Head(masks_bh, mods_bh, flat_head_index(b, h, kv_heads, groups)), xs)
 
     if jax.device_count() > 1:
-        return _vmapped(one, masks, arrays)
+        return _vmapped(one, shared, arrays)
     flat = tuple(x.reshape(batch * kv_heads, *x.shape[2:]) for x in arrays)
 
-    def take(m: Array | None, b: Array, h: Array) -> Array | None:
-        if m is None:
-            return None
+    def take(m: Array, b: Array, h: Array) -> Array:
         m = m[b] if m.shape[0] != 1 else m[0]
         return m[h] if m.shape[0] != 1 else m[0]
 
     def looped(args):
         n, xs = args
         b, h = n // kv_heads, n % kv_heads
-        return one(b, h, xs, Masks(*(take(m, b, h) for m in masks)))
+        return one(b, h, xs, jax.tree.map(lambda m: take(m, b, h), shared))
 
     out = jax.lax.map(looped, (jnp.arange(batch * kv_heads, dtype=jnp.int32), flat))
     return jax.tree.map(lambda y: y.reshape(batch, kv_heads, *y.shape[1:]), out)
 
 
-def _vmapped(one: Callable[..., Any], masks: Masks, arrays: tuple[Array, ...]) -> Any:
-    """`per_head` as two nested `vmap`s; masks with a size-1 leading axis are shared
-    (squeezed, not mapped over)."""
+def _vmapped(one: Callable[..., Any], shared: Shared, arrays: tuple[Array, ...]) -> Any:
+    """`per_head` as two nested `vmap`s; arrays in `shared` with a size-1 leading axis are
+    the same for every index (squeezed, not mapped over)."""
     batch, kv_heads = arrays[0].shape[:2]
 
-    def split(masks: Masks) -> tuple[Masks, Masks]:
-        mapped = Masks(*(None if m is None or m.shape[0] == 1 else m for m in masks))
-        shared = Masks(*(m[0] if m is not None and m.shape[0] == 1 else None for m in masks))
-        return mapped, shared
+    def split(tree: Shared) -> tuple[Shared, Shared]:
+        mapped = jax.tree.map(lambda m: None if m.shape[0] == 1 else m, tree)
+        common = jax.tree.map(lambda m: m[0] if m.shape[0] == 1 else None, tree)
+        return mapped, common
 
-    def merge(mapped: Masks, shared: Masks) -> Masks:
-        return Masks(*(a if a is not None else b for a, b in zip(mapped, shared, strict=True)))
+    def merge(mapped: Shared, common: Shared) -> Shared:
+        return jax.tree.map(lambda a, b: a if a is not None else b, mapped, common,
+                            is_leaf=lambda x: x is None)
 
-    def one_batch(b, xs, masks_b):
-        mapped, shared = split(masks_b)
-        return jax.vmap(lambda h, xs, m: one(b, h, xs, merge(m, shared)))(
+    def one_batch(b, xs, shared_b):
+        mapped, common = split(shared_b)
+        return jax.vmap(lambda h, xs, m: one(b, h, xs, merge(m, common)))(
             jnp.arange(kv_heads, dtype=jnp.int32), xs, mapped
         )
 
-    mapped, shared = split(masks)
-    return jax.vmap(lambda b, xs, m: one_batch(b, xs, merge(m, shared)))(
+    mapped, common = split(shared)
+    return jax.vmap(lambda b, xs, m: one_batch(b, xs, merge(m, common)))(
         jnp.arange(batch, dtype=jnp.int32), arrays, mapped
     )

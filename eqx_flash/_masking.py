@@ -24,6 +24,13 @@ class Masks(NamedTuple):
     pair_mask: Array | None = None
     q_segment_ids: Array | None = None
     kv_segment_ids: Array | None = None
+    # Valid lengths (right padding), `(batch|1, 1, 1, 1, 1)` int32; see `length_mask`.
+    q_lengths: Array | None = None
+    kv_lengths: Array | None = None
+
+    @property
+    def has_lengths(self) -> bool:
+        return self.q_lengths is not None or self.kv_lengths is not None
 
     @property
     def is_empty(self) -> bool:
@@ -47,7 +54,57 @@ def positional_mask(
     return allowed
 
 
-def _block(x: Array, q_start: Array | int, k_start: Array | int, block_q: int, block_k: int):
+def length_mask(
+    q_pos: Int[Array, "*#b"], k_pos: Int[Array, "*#b"], q_len: Array | int, kv_len: Array | int,
+    window: Window,
+) -> Bool[Array, "*#b"]:
+    """Variable lengths (right padding): query `i < q_len` sees key `j < kv_len`, within
+    `window` around `p = i + kv_len - q_len` (causal and window align bottom-right on the
+    *valid* lengths). With lengths the kernels' static band ignores the window
+    (`KernelConfig.band_window`) and this predicate applies it instead."""
+    allowed = (q_pos < q_len) & (k_pos < kv_len)
+    p = q_pos + (kv_len - q_len)
+    if window.left is not None:
+        allowed = allowed & (k_pos >= p - window.left)
+    if window.right is not None:
+        allowed = allowed & (k_pos <= p + window.right)
+    return allowed
+
+
+def lengths_or(masks: Masks, seq_q: int, seq_k: int) -> tuple[Array | int, Array | int]:
+    """`(q_len, kv_len)` of `masks`, the full sequence where a length is not given."""
+    q_len = seq_q if masks.q_lengths is None else masks.q_lengths
+    kv_len = seq_k if masks.kv_lengths is None else masks.kv_lengths
+    return q_len, kv_len
+
+
+def valid_rows(
+    q: Array, k: Array, v: Array, masks: Masks, seq_q: int, seq_k: int
+) -> tuple[Array, Array, Array]:
+    """q, k, v (internal layout, unpadded) with the rows that can never attend set to 0:
+    queries at or past `q_lengths`, keys at or past `kv_lengths` or masked by the key mask
+    for every query of their kv head. O(N d) once, so that NaN or inf in padding (an
+    uninitialised cache) reaches no output and no gradient: a masked logit is replaced by
+    -inf, but its weight 0 times a NaN value would still be NaN. The `where` also gives
+    those rows zero cotangents."""
+    if masks.q_lengths is not None:
+        q_pos = jnp.arange(seq_q, dtype=jnp.int32).reshape(1, 1, 1, -1, 1)
+        q = jnp.where(q_pos < masks.q_lengths, q, jnp.zeros((), q.dtype))
+    keep = None
+    if masks.kv_lengths is not None:
+        k_pos = jnp.arange(seq_k, dtype=jnp.int32).reshape(1, 1, -1, 1)
+        keep = k_pos < masks.kv_lengths[:, :, 0]  # (batch|1, 1, seq_k, 1)
+    if masks.key_mask is not None:
+        # (b|1, h|1, g|1, 1, seq_k) -> attended by some query head of the kv head
+        some = jnp.any(masks.key_mask, axis=(2, 3))[..., None]  # (b|1, h|1, seq_k, 1)
+        keep = some if keep is None else keep & some
+    if keep is not None:
+        k = jnp.where(keep, k, jnp.zeros((), k.dtype))
+        v = jnp.where(keep, v, jnp.zeros((), v.dtype))
+    return q, k, v
+
+
+def block_of(x: Array, q_start: Array | int, k_start: Array | int, block_q: int, block_k: int):
     """Slice one block out of a mask whose seq axes may be broadcast (size 1)."""
     if x.shape[-2] != 1:
         x = jax.lax.dynamic_slice_in_dim(x, q_start, block_q, axis=-2)
@@ -66,12 +123,12 @@ def data_mask(
         return b if a is None else a & b
 
     if masks.key_mask is not None:
-        allowed = conj(allowed, _block(masks.key_mask, q_start, k_start, block_q, block_k))
+        allowed = conj(allowed, block_of(masks.key_mask, q_start, k_start, block_q, block_k))
     if masks.pair_mask is not None:
-        allowed = conj(allowed, _block(masks.pair_mask, q_start, k_start, block_q, block_k))
+        allowed = conj(allowed, block_of(masks.pair_mask, q_start, k_start, block_q, block_k))
     if masks.q_segment_ids is not None and masks.kv_segment_ids is not None:
-        qs = _block(masks.q_segment_ids, q_start, k_start, block_q, block_k)
-        ks = _block(masks.kv_segment_ids, q_start, k_start, block_q, block_k)
+        qs = block_of(masks.q_segment_ids, q_start, k_start, block_q, block_k)
+        ks = block_of(masks.kv_segment_ids, q_start, k_start, block_q, block_k)
         allowed = conj(allowed, qs == ks)
     return allowed
 

@@ -14,11 +14,21 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from beartype import beartype
-from jaxtyping import Array, Bool, Float, PRNGKeyArray, jaxtyped
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, jaxtyped
 
+from ._cache import KVCache
 from ._flash import flash_attention
 from ._options import check_rate, make_options
-from ._types import BlockSize, Flag, OptionalReal, RealNumber, WindowLike
+from ._types import (
+    AlibiSlopes,
+    Bias,
+    BlockSize,
+    Flag,
+    Lengths,
+    OptionalReal,
+    RealNumber,
+    WindowLike,
+)
 
 # `(seq_k,)` key padding, `(seq_q, seq_k)` shared by all heads, or one per head.
 Mask = Bool[Array, "seq_k"] | Bool[Array, "seq_q seq_k"] | Bool[Array, "heads seq_q seq_k"]
@@ -33,6 +43,20 @@ ProcessHeads = Callable[
         Float[Array, "seq_q heads dim"],
         Float[Array, "seq_k kv_heads dim"],
         Float[Array, "seq_k kv_heads dim_v"],
+    ],
+]
+
+DecodeProcessHeads = Callable[
+    [
+        Float[Array, "n heads dim"],
+        Float[Array, "n kv_heads dim"],
+        Float[Array, "n kv_heads dim_v"],
+        Int[Array, " n"],
+    ],
+    tuple[
+        Float[Array, "n heads dim"],
+        Float[Array, "n kv_heads dim"],
+        Float[Array, "n kv_heads dim_v"],
     ],
 ]
 
@@ -63,10 +87,11 @@ def _dropout_rate(p: Any, inference: bool, key: PRNGKeyArray | None) -> float:
 
 def _attend(
     q: Array, k: Array, v: Array, mask: Array | None, options: dict[str, Any],
-    dropout_rate: float, key: PRNGKeyArray | None,
+    dropout_rate: float, key: PRNGKeyArray | None, per_call: dict[str, Any],
 ) -> Array:
     """Unbatched `(heads, seq_q, dim)` attention with an Equinox-style mask; `options`
-    are `flash_attention`'s static keywords, as the module's fields hold them."""
+    are `flash_attention`'s static keywords, as the module's fields hold them, and
+    `per_call` its array keywords given at call time (lengths, bias, ALiBi slopes)."""
     key_mask = attn_mask = None
     if mask is not None:
         if mask.ndim == 1:
@@ -75,7 +100,7 @@ def _attend(
             attn_mask = mask
     out, _ = flash_attention(
         q, k, v, key_mask, attn_mask=attn_mask, dropout_rate=dropout_rate,
-        key=key if dropout_rate else None, **options,
+        key=key if dropout_rate else None, **options, **per_call,
     )
     return out
 
@@ -145,6 +170,10 @@ class FlashAttention(eqx.Module):
         *,
         key: PRNGKeyArray | None = None,
         inference: bool | None = None,
+        q_lengths: Lengths | None = None,
+        kv_lengths: Lengths | None = None,
+        bias: Bias | None = None,
+        alibi_slopes: AlibiSlopes | None = None,
     ) -> Float[Array, "heads seq_q dim_v"]:
         """**Arguments:**
 
@@ -155,6 +184,9 @@ class FlashAttention(eqx.Module):
             per head `(heads, seq_q, seq_k)`.
         - `key`: PRNG key for dropout (needed unless dropout is off).
         - `inference`: overrides `self.inference` for this call.
+        - `q_lengths`, `kv_lengths`, `bias`, `alibi_slopes`: as in `flash_attention`, for
+            this one example: the lengths are integer scalars (`vmap` them with the batch),
+            `bias` broadcasts to `(heads, seq_q, seq_k)`, `alibi_slopes` is `(heads,)`.
 
         **Returns:**
 
@@ -162,7 +194,11 @@ class FlashAttention(eqx.Module):
         """
         inference = self.inference if inference is None else inference
         rate = _dropout_rate(self.dropout_p, inference, key)
-        return _attend(q, k, v, mask, self._options(), rate, key)
+        return _attend(
+            q, k, v, mask, self._options(), rate, key,
+            dict(q_lengths=q_lengths, kv_lengths=kv_lengths, bias=bias,
+                 alibi_slopes=alibi_slopes),
+        )
 
     def _options(self) -> dict[str, Any]:
         return dict(causal=self.causal, window=self.window, softcap=self.softcap,
@@ -363,6 +399,10 @@ class FlashMultiheadAttention(eqx.Module):
         inference: bool | None = None,
         deterministic: bool | None = None,
         process_heads: ProcessHeads | None = None,
+        q_lengths: Lengths | None = None,
+        kv_lengths: Lengths | None = None,
+        bias: Bias | None = None,
+        alibi_slopes: AlibiSlopes | None = None,
     ) -> Float[Array, "seq_q output_size"]:
         """**Arguments:**
 
@@ -379,6 +419,11 @@ class FlashMultiheadAttention(eqx.Module):
             `(seq_q, num_heads, qk_size)`, `(seq_k, num_kv_heads, qk_size)`,
             `(seq_k, num_kv_heads, vo_size)` returning new heads of the same shapes
             (e.g. rotary embeddings).
+        - `q_lengths`, `kv_lengths`, `bias`, `alibi_slopes`: as in `flash_attention`, for
+            this one example: the lengths are integer scalars (`vmap` them with the batch),
+            `bias` broadcasts to `(num_heads, seq_q, seq_k)`, `alibi_slopes` is
+            `(num_heads,)`. A query row at or past `q_lengths` attends to nothing, so its
+            output is the output projection of zeros.
 
         **Returns:**
 
@@ -415,9 +460,114 @@ class FlashMultiheadAttention(eqx.Module):
             heads = _attend(
                 jnp.swapaxes(q, 0, 1), jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1), mask,
                 self._options(), rate, key,
+                dict(q_lengths=q_lengths, kv_lengths=kv_lengths, bias=bias,
+                     alibi_slopes=alibi_slopes),
             )
             attn = jnp.swapaxes(heads, 0, 1).reshape(query.shape[0], -1)
             return jax.vmap(self.output_proj)(attn)
+
+    def init_cache(
+        self, max_len: int, *, window: int | None = None, dtype: Any = None
+    ) -> KVCache:
+        """An empty `KVCache` for this layer's `decode`.
+
+        **Arguments:**
+
+        - `max_len`: tokens the cache can hold (linear mode).
+        - `window`: a rolling buffer of this many entries instead (for a causal model
+            with `window=(window - 1, 0)` or narrower).
+        - `dtype`: of the buffers (default: the key projection's dtype).
+
+        **Returns:**
+
+        `KVCache.empty(num_kv_heads, max_len, qk_size, vo_size, dtype, window=window)`.
+        """
+        dtype = self.key_proj.weight.dtype if dtype is None else dtype
+        return KVCache.empty(self.num_kv_heads, max_len, self.qk_size, self.vo_size, dtype,
+                             window=window)
+
+    @jaxtyped(typechecker=beartype)
+    def decode(
+        self,
+        x: Float[Array, "n query_size"],
+        cache: KVCache,
+        *,
+        process_heads: DecodeProcessHeads | None = None,
+    ) -> tuple[Float[Array, "n output_size"], KVCache]:
+        """Self-attention of `n` new tokens against the cached ones, returning the updated
+        cache: a whole prompt (prefill) or one token (a step), by the same call. With
+        `causal=True` it gives the rows of `self(x_all, x_all, x_all)` for the new tokens,
+        exactly. No dropout (inference).
+
+        **Arguments:**
+
+        - `x`: the new tokens `(n, query_size)`, at positions `cache.length + arange(n)`.
+        - `cache`: from `init_cache` (or the previous `decode`).
+        - `process_heads`: `f(q, k, v, positions)` returning new `(q, k, v)` of the same
+            shapes, with `q` `(n, num_heads, qk_size)`, `k` `(n, num_kv_heads, qk_size)`,
+            `v` `(n, num_kv_heads, vo_size)` and `positions` `(n,)` int32, e.g. `rotary`
+            at the tokens' absolute positions.
+
+        **Returns:**
+
+        `(out, cache)`: `(n, output_size)` and the cache holding the new tokens too.
+
+        **Raises:**
+
+        `ValueError` if the cache does not fit the layer, or is rolling while the layer's
+        window is not causal or reaches further back than the buffer.
+        """
+        expected = (self.num_kv_heads, self.qk_size, self.vo_size)
+        got = (cache.k.shape[0], cache.k.shape[2], cache.v.shape[2])
+        if got != expected:
+            raise ValueError(
+                f"cache must have (kv_heads, dim, dim_v) = {expected} for this layer; got "
+                f"cache.k.shape={cache.k.shape}, cache.v.shape={cache.v.shape}"
+            )
+        if x.shape[-1] != self.query_size:
+            raise ValueError(f"x must have shape (n, {self.query_size}); got x.shape={x.shape}")
+        n = x.shape[0]
+        with jax.named_scope("eqx_flash.FlashMultiheadAttention.decode"):
+            q = _project(self.query_proj, x, self.num_heads)
+            k = _project(self.key_proj, x, self.num_kv_heads)
+            v = _project(self.value_proj, x, self.num_kv_heads)
+            positions = cache.length + jnp.arange(n, dtype=jnp.int32)
+            if process_heads is not None:
+                shapes = (q.shape, k.shape, v.shape)
+                q, k, v = process_heads(q, k, v, positions)
+                if (q.shape, k.shape, v.shape) != shapes:
+                    raise ValueError(
+                        "process_heads must not change the shape of the heads; got "
+                        f"{(q.shape, k.shape, v.shape)} from {shapes}"
+                    )
+            q, k, v = (jnp.swapaxes(x_, 0, 1) for x_ in (q, k, v))
+            blocks: dict[str, Any] = dict(block_q=self.block_q, block_k=self.block_k,
+                                          softcap=self.softcap)
+            if cache.window is None:
+                # Write first, then attend to the valid prefix: causal/window align on it.
+                cache = cache.append(k, v)
+                heads, _ = flash_attention(q, cache.k, cache.v, kv_lengths=cache.length,
+                                           causal=self.causal, window=self.window, **blocks)
+            else:
+                window = make_options(**self._options()).window
+                if window.right != 0 or window.left is None or window.left >= cache.size:
+                    raise ValueError(
+                        f"a rolling cache of {cache.size} entries needs a causal layer whose "
+                        f"window reaches back at most {cache.size - 1} tokens; got "
+                        f"causal={self.causal}, window={self.window!r}"
+                    )
+                # Attend to the buffer and the new tokens by absolute position, then write.
+                key_pos = jnp.concatenate([cache.positions(), positions])
+                rel = positions[:, None] - key_pos[None, :]
+                allowed = (key_pos[None, :] >= 0) & (rel >= 0) & (rel <= window.left)
+                heads, _ = flash_attention(
+                    q, jnp.concatenate([cache.k, k.astype(cache.k.dtype)], axis=1),
+                    jnp.concatenate([cache.v, v.astype(cache.v.dtype)], axis=1),
+                    attn_mask=allowed, **blocks,
+                )
+                cache = cache.append(k, v)
+            attn = jnp.swapaxes(heads, 0, 1).reshape(n, -1)
+            return jax.vmap(self.output_proj)(attn), cache
 
 
 def _check_heads(num_heads: Any, num_kv_heads: Any) -> None:

@@ -10,16 +10,29 @@ from beartype import beartype
 from jaxtyping import PRNGKeyArray, jaxtyped
 
 from ._config import stat_dtype
-from ._masking import data_mask, dropout_keep, dropout_seed, flat_head_index, positional_mask
+from ._masking import (
+    data_mask,
+    dropout_keep,
+    dropout_seed,
+    flat_head_index,
+    length_mask,
+    lengths_or,
+    positional_mask,
+    valid_rows,
+)
 from ._options import make_options
+from ._scores import additive
 from ._shapes import merge_heads, split_heads
 from ._softmax import finish
 from ._types import (
     LSE,
+    AlibiSlopes,
+    Bias,
     Flag,
     Key,
     KeyMask,
     KeySegmentIds,
+    Lengths,
     OptionalReal,
     Output,
     PairMask,
@@ -29,7 +42,13 @@ from ._types import (
     Value,
     WindowLike,
 )
-from ._validation import check_dropout_key, check_masks, check_qkv
+from ._validation import (
+    check_dropout_key,
+    check_lengths,
+    check_masks,
+    check_qkv,
+    check_score_mods,
+)
 
 
 @jaxtyped(typechecker=beartype)
@@ -44,35 +63,51 @@ def plain_attention(
     window: WindowLike = None,
     q_segment_ids: QuerySegmentIds | None = None,
     kv_segment_ids: KeySegmentIds | None = None,
+    q_lengths: Lengths | None = None,
+    kv_lengths: Lengths | None = None,
     scale: OptionalReal = None,
     softcap: OptionalReal = None,
     dropout_rate: RealNumber = 0.0,
     key: PRNGKeyArray | None = None,
+    bias: Bias | None = None,
+    alibi_slopes: AlibiSlopes | None = None,
 ) -> tuple[Output, LSE]:
-    """Reference attention with exactly the semantics of `flash_attention` (which see),
+    """Reference attention with exactly the semantics of `flash_attention` (which see,
+    also for `bias` and `alibi_slopes`),
     computed by materialising every logit, in float32 (float64 for float64 inputs)."""
     options = make_options(
         causal=causal, window=window, scale=scale, softcap=softcap, dropout_rate=dropout_rate
     )
     q, k, v, shapes = check_qkv(q, k, v)
     masks = check_masks(shapes, mask, attn_mask, q_segment_ids, kv_segment_ids)
+    mods = check_score_mods(shapes, bias, alibi_slopes)
+    masks = check_lengths(shapes, masks, q_lengths, kv_lengths)
     key = check_dropout_key(options.dropout_rate, key)
     stat = stat_dtype(q.dtype)
     b, h, g = shapes.batch, shapes.kv_heads, shapes.groups
-    q5, k4, v4 = (x.astype(stat) for x in split_heads(q, k, v, shapes))
+    q5, k4, v4 = valid_rows(*split_heads(q, k, v, shapes), masks, shapes.seq_q, shapes.seq_k)
+    q5, k4, v4 = (x.astype(stat) for x in (q5, k4, v4))
     # Repeat kv heads over their query groups: (b, kv_heads, groups, seq_k, dim).
     k5 = jnp.broadcast_to(k4[:, :, None], (b, h, g, shapes.seq_k, shapes.dim))
     v5 = jnp.broadcast_to(v4[:, :, None], (b, h, g, shapes.seq_k, shapes.dim_v))
 
     logits = jnp.einsum("bhgqd,bhgkd->bhgqk", q5, k5) * options.scale_for(shapes.dim)
+    q_pos = jnp.arange(shapes.seq_q).reshape(1, 1, 1, -1, 1)
+    k_pos = jnp.arange(shapes.seq_k).reshape(1, 1, 1, 1, -1)
+    add = additive(mods, 0, 0, q_pos, k_pos, shapes.seq_k - shapes.seq_q, shapes.seq_q,
+                   shapes.seq_k, stat)
+    if add is not None:
+        logits = logits + add
     if options.softcap is not None:
         logits = options.softcap * jnp.tanh(logits / options.softcap)
 
-    q_pos = jnp.arange(shapes.seq_q).reshape(1, 1, 1, -1, 1)
-    k_pos = jnp.arange(shapes.seq_k).reshape(1, 1, 1, 1, -1)
-    allowed = positional_mask(
-        q_pos, k_pos, shapes.seq_k - shapes.seq_q, shapes.seq_k, options.window
-    )
+    if masks.has_lengths:  # the window aligns on the valid lengths
+        q_len, kv_len = lengths_or(masks, shapes.seq_q, shapes.seq_k)
+        allowed = length_mask(q_pos, k_pos, q_len, kv_len, options.window)
+    else:
+        allowed = positional_mask(
+            q_pos, k_pos, shapes.seq_k - shapes.seq_q, shapes.seq_k, options.window
+        )
     data = data_mask(masks, 0, 0, shapes.seq_q, shapes.seq_k)
     if data is not None:
         allowed = allowed & data

@@ -31,8 +31,10 @@ from ._forward import forward
 from ._masking import Masks
 from ._options import AttentionOptions, Window, make_options
 from ._schedule import block_schedule
+from ._scores import ScoreMods
 from ._sequence_order import Layout, check_layout, chunk_index, subchunks
 from ._shapes import Shapes, merge_heads, split_heads
+from ._tangent import reverse_only
 from ._types import (
     LSE,
     BlockSize,
@@ -155,7 +157,7 @@ def _forward_pair(cfg: KernelConfig | None, out, lse, q, k, v, masks):
     """Attend one chunk pair and merge it into the running normalised `(out, lse)`."""
     if cfg is None:
         return out, lse
-    return _softmax.merge(out, lse, *forward(cfg, q, k, v, masks, None))
+    return _softmax.merge(out, lse, *forward(cfg, q, k, v, ScoreMods(), masks, None))
 
 
 def _backward_pair(cfg: KernelConfig | None, grads, q, k, v, lse, delta, d_out, masks):
@@ -163,7 +165,7 @@ def _backward_pair(cfg: KernelConfig | None, grads, q, k, v, lse, delta, d_out, 
     (`_backward.prepare`)."""
     if cfg is None:
         return grads
-    parts = backward(cfg, q, k, v, lse, delta, d_out, masks, None)
+    parts = backward(cfg, q, k, v, ScoreMods(), lse, delta, d_out, masks, None)[:3]
     return tuple(g + p.astype(g.dtype) for g, p in zip(grads, parts, strict=True))
 
 
@@ -256,6 +258,14 @@ def _ring_attention_bwd(ring, residuals, cotangents):
 
 
 _ring_attention.defvjp(_ring_attention_fwd, _ring_attention_bwd)
+_ring_attention_ad = reverse_only(
+    _ring_attention,
+    lambda ring, args, outs: (*args[:3], args[3], *outs),  # _ring_attention_fwd's residuals
+    _ring_attention_bwd,
+    "forward-mode autodiff (jax.jvp, jax.linearize, jax.jacfwd) is not supported on the "
+    "ring (ring_flash_attention / sharded_flash_attention); reverse mode is. For forward "
+    "mode, use flash_attention (which supports it) without sequence sharding.",
+)
 
 
 def _pieces(x: Array | None, axis: int, count: int, padded: int) -> tuple[Array | None, ...]:
@@ -369,7 +379,7 @@ def _ring_internal(ring: _Ring, q, k, v, masks: Masks, shapes: Shapes):
         Masks(key_mask=key_mask[i], q_segment_ids=q_ids[i], kv_segment_ids=kv_ids[i])
         for i in range(m)
     )
-    out, lse = cast(tuple[Any, Any], _ring_attention(ring, qs, ks, vs, piece_masks))
+    out, lse = cast(tuple[Any, Any], _ring_attention_ad(ring, qs, ks, vs, piece_masks))
     out = jnp.concatenate([o[..., : cfg.seq_q, :] for o in out], axis=3)
     lse = jnp.concatenate([x[..., : cfg.seq_q] for x in lse], axis=3)
     return merge_heads(out, lse, shapes)

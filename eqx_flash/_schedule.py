@@ -17,7 +17,7 @@ import numpy as np
 from jaxtyping import Array
 
 from ._config import KernelConfig
-from ._masking import Masks
+from ._masking import Masks, lengths_or
 from ._options import Window
 
 
@@ -133,6 +133,51 @@ def segment_limits(cfg: KernelConfig, masks: Masks, by: str) -> tuple[Array, Arr
     lo = jnp.where(any_, jnp.argmax(overlap, axis=1), 0).astype(jnp.int32)
     hi = jnp.where(any_, n_inner - jnp.argmax(overlap[:, ::-1], axis=1), 0).astype(jnp.int32)
     return lo, hi
+
+
+def length_limits(cfg: KernelConfig, masks: Masks, by: str) -> tuple[Array, Array] | None:
+    """Per outer block, the inner blocks `[lo, hi)` that the valid lengths (and the window
+    aligned on them, `_masking.length_mask`) let attend; None without lengths. Exact at
+    block granularity: key blocks wholly past `kv_len` and query blocks wholly past `q_len`
+    are never visited, so a padded batch costs its real lengths. `masks` are one head's
+    (`_heads.Head`), lengths `(1, 1, 1)`."""
+    if not masks.has_lengths:
+        return None
+    q_len, kv_len = (jnp.asarray(x, jnp.int32).reshape(())
+                     for x in lengths_or(masks, cfg.seq_q, cfg.seq_k))
+    left, right = cfg.window.left, cfg.window.right
+    offset = kv_len - q_len
+    bq, bk = cfg.block_q, cfg.block_k
+    if by == "q":
+        n_outer, outer_block, outer_len, inner_block = -(-cfg.seq_q // bq), bq, q_len, bk
+    else:
+        n_outer, outer_block, outer_len, inner_block = -(-cfg.seq_k // bk), bk, kv_len, bq
+    first = jnp.arange(n_outer, dtype=jnp.int32) * outer_block
+    last = jnp.minimum(first + outer_block, outer_len) - 1
+    if by == "q":  # keys j with p - left <= j <= p + right, p = i + offset, j < kv_len
+        start = jnp.zeros_like(first) if left is None else jnp.maximum(first + offset - left, 0)
+        stop = kv_len if right is None else jnp.minimum(kv_len, last + offset + right + 1)
+    else:  # queries i with j - right <= i + offset <= j + left, i < q_len
+        start = jnp.zeros_like(first) if right is None else jnp.maximum(first - right - offset, 0)
+        stop = q_len if left is None else jnp.minimum(q_len, last + left - offset + 1)
+    stop = jnp.broadcast_to(stop, first.shape)
+    empty = (first >= outer_len) | (stop <= start)
+    lo = jnp.where(empty, 0, start // inner_block)
+    hi = jnp.where(empty, 0, -(-stop // inner_block))
+    return lo.astype(jnp.int32), hi.astype(jnp.int32)
+
+
+def run_limits(cfg: KernelConfig, masks: Masks, by: str) -> tuple[Array, Array] | None:
+    """The run-time narrowing of the static band: `segment_limits` intersected with
+    `length_limits` (None when neither applies)."""
+    found = [x for x in (segment_limits(cfg, masks, by), length_limits(cfg, masks, by))
+             if x is not None]
+    if not found:
+        return None
+    lo, hi = found[0]
+    for other_lo, other_hi in found[1:]:
+        lo, hi = jnp.maximum(lo, other_lo), jnp.minimum(hi, other_hi)
+    return lo, jnp.maximum(hi, lo)
 
 
 def over_band(

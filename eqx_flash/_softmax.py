@@ -68,3 +68,13 @@ def finite_lse(lse: Array) -> Array:
     """lse with -inf (rows that attended nothing) replaced by 0: any finite shift gives
     `exp(masked logit - lse) = 0` there, where -inf would give NaN."""
     return jnp.where(lse == -jnp.inf, 0.0, lse)
+
+
+def merge_all(out: Array, lse: Array, axis: int = 0) -> tuple[Array, Array]:
+    """`merge` of any number of partial results over disjoint key sets, stacked on `axis`
+    of `out` `(..., rows, dim_v)` and `lse` `(..., rows)` (flash-decoding's reduction)."""
+    top = jnp.max(lse, axis=axis)
+    shift = jnp.where(top == -jnp.inf, 0.0, top)
+    w = jnp.exp(lse - jnp.expand_dims(shift, axis))
+    acc = jnp.sum(out * w[..., None], axis=axis)
+    return finish(acc, shift, jnp.sum(w, axis=axis))

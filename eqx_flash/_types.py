@@ -19,7 +19,7 @@ which also runs when jaxtyping's checks are switched off.
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
-from jaxtyping import Array, Bool, Float, Integer
+from jaxtyping import Array, Bool, Float, Integer, Shaped
 
 # Public entry points accept NumPy arrays as well as JAX arrays (converted with
 # `jnp.asarray`); they are what users have at hand in notebooks and data loaders.
@@ -43,7 +43,14 @@ KeyMask: TypeAlias = Bool[AnyArray, "... seq_k"] | Integer[AnyArray, "... seq_k"
 PairMask: TypeAlias = (
     Bool[AnyArray, "... #seq_q #seq_k"] | Integer[AnyArray, "... #seq_q #seq_k"]
 )
+# Valid lengths `(*batch,)`: any dtype here, so that `_validation.check_lengths` names the
+# argument in its message for a non-integer one.
+Lengths: TypeAlias = Shaped[AnyArray, "..."]
 QuerySegmentIds: TypeAlias = Integer[AnyArray, "... seq_q"]
+# Score terms: a float bias broadcastable to `(*batch, heads, seq_q, seq_k)` and ALiBi
+# slopes `(*batch, heads)`; how their leading axes broadcast is checked in `_validation`.
+Bias: TypeAlias = Float[AnyArray, "... #seq_q #seq_k"]
+AlibiSlopes: TypeAlias = Float[AnyArray, "..."]
 KeySegmentIds: TypeAlias = Integer[AnyArray, "... seq_k"]
 
 Output: TypeAlias = (

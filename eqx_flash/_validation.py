@@ -5,13 +5,16 @@ All checks are on static properties (shapes, dtypes), so they also run, at trace
 under `jax.jit`.
 """
 
-from typing import Any
+from typing import Any, cast
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, ArrayLike
 
 from ._masking import Masks
+from ._scores import ScoreMods
 from ._shapes import Shapes, mask_to_internal, shapes_of
 
 
@@ -70,6 +73,81 @@ def check_masks(
         pair_mask=_mask_like("attn_mask", attn_mask, shapes, "pairs", integer_only=False),
         q_segment_ids=_mask_like("q_segment_ids", q_segment_ids, shapes, "queries", True),
         kv_segment_ids=_mask_like("kv_segment_ids", kv_segment_ids, shapes, "keys", True),
+    )
+
+
+def check_score_mods(
+    shapes: Shapes, bias: ArrayLike | None, alibi_slopes: ArrayLike | None
+) -> ScoreMods:
+    """Bias and ALiBi slopes in the internal layout (floating, broadcastable to q's heads
+    and the logits)."""
+    if bias is not None:
+        bias = as_float_array("bias", bias)
+        bias = mask_to_internal(bias, shapes, "pairs", "bias")
+    if alibi_slopes is not None:
+        slopes = as_float_array("alibi_slopes", alibi_slopes)
+        lead = shapes.lead_shape if shapes.has_heads_axis else (1,)
+        if slopes.ndim == 0 or slopes.ndim > len(lead) or any(
+            a not in (1, b) for a, b in zip(slopes.shape[::-1], lead[::-1], strict=False)
+        ) or slopes.shape[-1] != lead[-1]:
+            raise ValueError(
+                f"alibi_slopes must have shape (heads,) or (*batch, heads) broadcastable to "
+                f"{lead}; got alibi_slopes.shape={slopes.shape}"
+            )
+        if shapes.has_heads_axis:
+            alibi_slopes = mask_to_internal(slopes[..., None, None], shapes, "pairs",
+                                            "alibi_slopes")
+        else:  # a bare (seq, dim) problem has one head
+            alibi_slopes = slopes.reshape(1, 1, 1, 1, 1)
+    return ScoreMods(bias, alibi_slopes)
+
+
+def _is_concrete(x: Array) -> bool:
+    try:
+        np.asarray(x)
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+        return False
+    return True
+
+
+def _lengths(name: str, x: ArrayLike | None, shapes: Shapes, seq: int) -> Array | None:
+    """One lengths argument `(*batch,)` in the internal layout `(batch|1, 1, 1, 1, 1)`."""
+    if x is None:
+        return None
+    arr: Array = jnp.asarray(x) if not isinstance(x, jax.Array) else x
+    if not jnp.issubdtype(arr.dtype, jnp.integer):
+        raise TypeError(f"{name} must have an integer dtype; got {name}.dtype={arr.dtype}")
+    batch = shapes.batch_shape
+    if arr.ndim > len(batch) or any(
+        a not in (1, b) for a, b in zip(arr.shape[::-1], batch[::-1], strict=False)
+    ):
+        raise ValueError(
+            f"{name} must have shape (*batch,) = {batch} (any leading axis may be 1 or "
+            f"missing), one length per batch element; got {name}.shape={arr.shape}"
+        )
+    arr = arr.astype(jnp.int32)
+    message = f"{name} must lie in [0, {seq}] (the sequence length)"
+    if not _is_concrete(arr):
+        arr = cast(Array, eqx.error_if(arr, (arr < 0) | (arr > seq), message))
+    else:
+        concrete = np.asarray(arr)
+        if np.any((concrete < 0) | (concrete > seq)):
+            raise ValueError(f"{message}; got {name}={concrete.tolist()}")
+    arr = arr.reshape((1,) * (len(batch) - arr.ndim) + arr.shape)
+    if any(n != 1 for n in arr.shape):
+        arr = jnp.broadcast_to(arr, batch)
+    return arr.reshape(-1 if arr.size > 1 else 1, 1, 1, 1, 1)
+
+
+def check_lengths(
+    shapes: Shapes, masks: Masks, q_lengths: ArrayLike | None, kv_lengths: ArrayLike | None
+) -> Masks:
+    """`masks` with the valid lengths added (checked: integer, `(*batch,)` broadcasting
+    against q's batch axes, values in `[0, seq]`; the value check is `eqx.error_if` under
+    `jax.jit`, an eager `ValueError` otherwise)."""
+    return masks._replace(
+        q_lengths=_lengths("q_lengths", q_lengths, shapes, shapes.seq_q),
+        kv_lengths=_lengths("kv_lengths", kv_lengths, shapes, shapes.seq_k),
     )
 
 

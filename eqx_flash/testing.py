@@ -130,6 +130,9 @@ def attention_inputs(
     scale: bool | None = None,
     fully_masked_rows: bool | None = None,
     dropout: bool = False,
+    bias: bool | None = False,
+    alibi: bool | None = False,
+    lengths: bool | None = False,
 ) -> "SearchStrategy[AttentionInputs]":
     """A Hypothesis strategy of `AttentionInputs`: random attention problems.
 
@@ -158,6 +161,13 @@ def attention_inputs(
     - `fully_masked_rows`: mask out every key of some query rows on purpose (with `False`
         other features, such as `causal` with `seq_q > seq_k`, may still leave rows empty).
     - `dropout`: draw `dropout_rate` in `(0, 1)` and a `key` (off unless `True`).
+    - `bias`, `alibi`: an additive `bias` in one of several broadcast shapes (full,
+        shared over batch, over batch and heads, per key, per query, per head) and
+        `alibi_slopes` `(heads,)` or `(*batch, heads)`; `None` draws them, and both are
+        off by default so that functions without these arguments keep passing.
+    - `lengths`: `q_lengths`/`kv_lengths` `(*batch,)` in `[0, seq]` (right padding), each
+        given or not; off by default (`False`), since attention functions other than
+        eqx_flash's may not take them; `None` draws, `True` always.
 
     **Returns:**
 
@@ -166,8 +176,8 @@ def attention_inputs(
     from hypothesis import strategies as st
 
     dtypes = tuple(_default_dtypes() if dtypes is None else dtypes)
-    lengths = tuple(n for n in seq_lengths if max_seq is None or n <= max_seq)
-    if not lengths:
+    seq_choices = tuple(n for n in seq_lengths if max_seq is None or n <= max_seq)
+    if not seq_choices:
         raise ValueError(f"no sequence length in {tuple(seq_lengths)} is <= {max_seq=}")
     for name, options in (
         ("dtypes", dtypes),
@@ -186,8 +196,8 @@ def attention_inputs(
         dtype = draw(st.sampled_from(dtypes))
         batch_shape = tuple(draw(st.sampled_from(tuple(batch_shapes))))
         n_heads, kv_heads = draw(st.sampled_from(tuple(heads)))
-        seq_q = draw(st.sampled_from(lengths))
-        seq_k = draw(st.sampled_from(lengths))
+        seq_q = draw(st.sampled_from(seq_choices))
+        seq_k = draw(st.sampled_from(seq_choices))
         dim = draw(st.sampled_from(tuple(dims)))
         dim_v = draw(st.sampled_from(tuple(dims)))
         seed = draw(st.integers(0, 2**32 - 1))
@@ -244,9 +254,24 @@ def attention_inputs(
             block = draw(st.sampled_from(tuple(block_sizes)))
             if block is not None:
                 kwargs[name] = block
+        if _maybe(draw, lengths):
+            for name, seq in (("q_lengths", seq_q), ("kv_lengths", seq_k)):
+                if draw(st.booleans()) or name == "kv_lengths" and "q_lengths" not in kwargs:
+                    full = draw(st.booleans())  # some elements use the whole sequence
+                    n = rng.integers(0, seq + 1, batch_shape, dtype=np.int32)
+                    kwargs[name] = jnp.asarray(np.where(full, seq, n).astype(np.int32))
         if dropout:
             kwargs["dropout_rate"] = draw(st.sampled_from((0.1, 0.5)))
             kwargs["key"] = jax.random.key(seed)
+        if _maybe(draw, bias):
+            shape = draw(st.sampled_from((
+                (*lead, seq_q, seq_k), (n_heads, seq_q, seq_k), (seq_q, seq_k), (1, seq_k),
+                (*batch_shape, 1, seq_q, 1), (*lead, 1, 1),
+            )))
+            kwargs["bias"] = jnp.asarray(rng.standard_normal(shape, np.float32))
+        if _maybe(draw, alibi):
+            shape = (n_heads,) if draw(st.booleans()) else lead
+            kwargs["alibi_slopes"] = jnp.asarray(0.3 * rng.random(shape, np.float32))
 
         # q.k has standard deviation |q_scale| * sqrt(dim) for unit normal entries.
         used_scale = 1 / math.sqrt(dim) if scale_value is None else scale_value
@@ -287,6 +312,10 @@ TOLERANCES: dict[Any, Tolerance] = {
 }
 
 
+# Floating array arguments whose gradients `check_attention` compares too.
+DIFFERENTIABLE = ("bias", "alibi_slopes")
+
+
 def _accepts(fn: Callable[..., Any], name: str) -> bool:
     try:
         params = inspect.signature(fn).parameters.values()
@@ -296,24 +325,72 @@ def _accepts(fn: Callable[..., Any], name: str) -> bool:
 
 
 def _evaluate(fn, static, q, k, v, arrays, weights, grads: bool):
-    """`out`, `lse` (or None) and, with `grads`, the gradients with respect to q, k, v of
+    """`out`, `lse` (or None) and, with `grads`, the gradients with respect to q, k, v
+    and every floating array argument (a bias, ALiBi slopes; `DIFFERENTIABLE`) of
     `sum(w * out) + sum(u * lse over its finite entries)` for `weights = (w, u)`."""
+    fixed = {n: x for n, x in arrays.items() if n not in DIFFERENTIABLE}
+    free = {n: x for n, x in arrays.items() if n in DIFFERENTIABLE}
+
+    def call(q, k, v, free):
+        return split_outputs(fn(q, k, v, **dict(static), **fixed, **free))
+
+    w, u = weights
+    if not grads:
+        return (*call(q, k, v, free), None)
+    (out, lse), vjp = jax.vjp(call, q, k, v, free)
+    if out.shape != w.shape or (lse is not None and lse.shape != u.shape):
+        return out, lse, None  # reported as a shape mismatch
+    d_lse = None if lse is None else jnp.where(jnp.isfinite(lse), u, 0.0).astype(lse.dtype)
+    dq, dk, dv, d_free = vjp((w.astype(out.dtype), d_lse))
+    return out, lse, {"dq": dq, "dk": dk, "dv": dv, **{f"d{n}": g for n, g in d_free.items()}}
+
+
+_evaluate_jit = jax.jit(_evaluate, static_argnums=(0, 1, 7))
+
+
+def _evaluate_jvp(fn, static, q, k, v, arrays, tangents):
+    """Tangents of `out` and `lse` (or None) along `tangents = (dq, dk, dv)`."""
     kwargs = {**dict(static), **arrays}
 
     def call(q, k, v):
         return split_outputs(fn(q, k, v, **kwargs))
 
-    w, u = weights
-    if not grads:
-        return (*call(q, k, v), None)
-    (out, lse), vjp = jax.vjp(call, q, k, v)
-    if out.shape != w.shape or (lse is not None and lse.shape != u.shape):
-        return out, lse, None  # reported as a shape mismatch
-    d_lse = None if lse is None else jnp.where(jnp.isfinite(lse), u, 0.0).astype(lse.dtype)
-    return out, lse, vjp((w.astype(out.dtype), d_lse))
+    _, (d_out, d_lse) = jax.jvp(call, (q, k, v), tangents)
+    return d_out, d_lse
 
 
-_evaluate_jit = jax.jit(_evaluate, static_argnums=(0, 1, 7))
+_evaluate_jvp_jit = jax.jit(_evaluate_jvp, static_argnums=(0, 1))
+
+
+def _run_jvp(fn, kwargs: Mapping[str, Any], q, k, v, tangents, jit: bool):
+    kwargs = {
+        name: value
+        for name, value in kwargs.items()
+        if name not in ("block_q", "block_k") or _accepts(fn, name)
+    }
+    arrays = {n: x for n, x in kwargs.items() if isinstance(x, jax.Array | np.ndarray)}
+    static = tuple((n, x) for n, x in kwargs.items() if n not in arrays)
+    if not jit:
+        return _evaluate_jvp(fn, static, q, k, v, arrays, tangents)
+    try:
+        hash((fn, static))
+    except TypeError:
+        return jax.jit(functools.partial(_evaluate_jvp, fn, static))(
+            q, k, v, arrays, tangents
+        )
+    return _evaluate_jvp_jit(fn, static, q, k, v, arrays, tangents)
+
+
+def _tangents(inputs: "AttentionInputs", seed: int) -> tuple[Array, Array, Array]:
+    """Random input tangents, scaled like the inputs (so the logits move by O(1))."""
+    rng = np.random.default_rng(seed + 1)
+
+    def like(x):
+        x32 = np.asarray(jnp.asarray(x).astype(jnp.float32))
+        t = rng.standard_normal(x.shape, np.float32) * max(float(np.std(x32)), 1e-3)
+        return jnp.asarray(t.astype(jnp.dtype(x.dtype)))
+
+    return like(inputs.q), like(inputs.k), like(inputs.v)
 
 
 def _run(fn, kwargs: Mapping[str, Any], q, k, v, weights, grads: bool, jit: bool):
@@ -390,6 +467,7 @@ def check_attention(
     *,
     reference: Callable[..., Any] = plain_attention,
     grads: bool = True,
+    jvp: bool = False,
     jit: bool = True,
     tolerance: Tolerance | None = None,
     seed: int = 0,
@@ -400,7 +478,9 @@ def check_attention(
     way (`block_q`/`block_k` are passed only to functions that accept them). Each returns
     `(out, lse, ...)` or just `out`. Compares `out`; `lse`, which must be `-inf` exactly
     where the reference's is; and, with `grads`, the gradients with respect to `q`, `k`, `v`
-    of a fixed random linear function of `out` and of the finite entries of `lse`.
+    of a fixed random linear function of `out` and of the finite entries of `lse`; and, with
+    `jvp`, the forward-mode tangents (`jax.jvp`) of `out` and `lse` along fixed random
+    tangents of `q`, `k`, `v` (judged like gradients, and never NaN).
 
     **Arguments:**
 
@@ -408,6 +488,7 @@ def check_attention(
     - `inputs`: one problem, usually drawn from `attention_inputs`.
     - `reference`: the oracle; default `plain_attention`.
     - `grads`: also compare gradients.
+    - `jvp`: also compare forward-mode tangents of `out` and `lse` (`jax.jvp`).
     - `jit`: run both functions under `jax.jit` (non-array keyword arguments static),
         which compiles much faster than running op by op; `False` for functions that
         cannot be traced.
@@ -433,10 +514,27 @@ def check_attention(
     if lse is not None and ref_lse is not None:
         problems.append(_compare("lse", lse, ref_lse, tol.lse, per_tensor=False))
     if grad is not None and ref_grad is not None:
-        grad_scale = max(float(jnp.max(jnp.abs(r.astype(jnp.float32)))) for r in ref_grad)
-        for name, g, r in zip(("dq", "dk", "dv"), grad, ref_grad, strict=True):
+        qkv_grads = [ref_grad[n] for n in ("dq", "dk", "dv")]
+        grad_scale = max(float(jnp.max(jnp.abs(r.astype(jnp.float32)))) for r in qkv_grads)
+        for name, r in ref_grad.items():
+            if name not in grad:
+                problems.append(f"{name}: not computed (the function ignores it?)")
+                continue
+            floor = 0.1 * grad_scale if name in ("dq", "dk", "dv") else 0.0
             problems.append(
-                _compare(name, g, r, tol.grad, per_tensor=True, floor=0.1 * grad_scale)
+                _compare(name, grad.get(name), r, tol.grad, per_tensor=True, floor=floor)
+            )
+    if jvp:
+        tangents = _tangents(inputs, seed)
+        d_out, d_lse = _run_jvp(fn, inputs.kwargs, q, k, v, tangents, jit)
+        ref_d_out, ref_d_lse = _run_jvp(reference, inputs.kwargs, q, k, v, tangents, jit)
+        pairs = [("d_out", d_out, ref_d_out)]
+        if d_lse is not None and ref_d_lse is not None:
+            pairs.append(("d_lse", d_lse, ref_d_lse))
+        scale = max(float(jnp.max(jnp.abs(r.astype(jnp.float32)))) for _, _, r in pairs)
+        for name, got, expected in pairs:
+            problems.append(
+                _compare(name, got, expected, tol.grad, per_tensor=True, floor=0.1 * scale)
             )
     problems = [p for p in problems if p is not None]
     if problems:

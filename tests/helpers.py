@@ -1,4 +1,12 @@
-"""Shared test helpers: tolerances per dtype and comparisons that report where and how far."""
+"""Shared test helpers: q/k/v inputs, tolerances and comparisons that report where and how far.
+
+There is one tolerance table, the public `eqx_flash.testing.TOLERANCES` (`(atol, rtol)` per
+input dtype, for `out`, `lse` and gradients). Tests that need a different bound say so at
+the call site with an explicit factor (`scale` for both, `rtol_scale` for the relative part).
+"""
+
+import contextlib
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -9,37 +17,67 @@ try:  # the float64 context manager: `jax.enable_x64` on new jax,
 except ImportError:  # `jax.experimental.enable_x64` on the oldest supported (0.7)
     from jax.experimental import enable_x64 as enable_x64
 
-# (rtol, atol) for outputs compared against a float32/float64 reference.
-TOLERANCE = {
-    jnp.dtype(jnp.float64): (1e-10, 1e-10),
-    jnp.dtype(jnp.float32): (1e-5, 2e-5),
-    jnp.dtype(jnp.bfloat16): (3e-2, 3e-2),
-    jnp.dtype(jnp.float16): (5e-3, 5e-3),
-}
+from eqx_flash.testing import TOLERANCES
 
 
-def assert_close(actual, expected, dtype=jnp.float32, scale=1.0, name="value"):
-    rtol, atol = TOLERANCE[jnp.dtype(dtype)]
-    a = np.asarray(jnp.asarray(actual, jnp.float64) if jax.config.jax_enable_x64
-                   else jnp.asarray(actual, jnp.float32))
+def tolerance(dtype=jnp.float32, kind: str = "out", scale: float = 1.0,
+              rtol_scale: float = 1.0) -> dict[str, float]:
+    """`{"atol": ..., "rtol": ...}` from `TOLERANCES[dtype].<kind>` times the factors, for
+    `np.testing.assert_allclose(..., **tolerance(...))`."""
+    atol, rtol = getattr(TOLERANCES[jnp.dtype(dtype)], kind)
+    return {"atol": atol * scale, "rtol": rtol * scale * rtol_scale}
+
+
+def _host(x) -> np.ndarray:
+    wide = jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
+    return np.asarray(jnp.asarray(x, wide))
+
+
+def assert_close(actual, expected, dtype=jnp.float32, scale=1.0, rtol_scale=1.0, kind="out",
+                 name="value"):
+    """Elementwise `|actual - expected| <= atol + rtol * |expected|` with the public
+    tolerance of `dtype` (the dtype of the inputs) for `kind` ("out", "lse", "grad")."""
+    a = _host(actual)
     e = np.asarray(jnp.asarray(expected, a.dtype))
-    np.testing.assert_allclose(a, e, rtol=rtol * scale, atol=atol * scale, err_msg=name)
+    np.testing.assert_allclose(a, e, err_msg=name, **tolerance(dtype, kind, scale, rtol_scale))
 
 
-def assert_lse_close(actual, expected, dtype=jnp.float32, scale=1.0):
+def assert_lse_close(actual, expected, dtype=jnp.float32, scale=1.0, rtol_scale=1.0):
+    """lse: -inf in the same places, the finite entries within the `lse` tolerance."""
     a, e = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
     np.testing.assert_array_equal(np.isneginf(a), np.isneginf(e), err_msg="lse -inf pattern")
     finite = np.isfinite(e)
-    rtol, atol = TOLERANCE[jnp.dtype(dtype)]
-    np.testing.assert_allclose(a[finite], e[finite], rtol=rtol * scale, atol=atol * scale,
-                               err_msg="lse")
+    np.testing.assert_allclose(a[finite], e[finite], err_msg="lse",
+                               **tolerance(dtype, "lse", scale, rtol_scale))
 
 
-def normal(key, shape, dtype=jnp.float32, std=1.0):
+@contextlib.contextmanager
+def optimised_compilation():
+    """Compile with XLA's optimisations on, as users do: `conftest.py` turns most of them off
+    for speed, which changes the buffers that a memory measurement sees."""
+    before = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", before)
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "dtype"))
+def _normal(key, shape, dtype, std):
     return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
 
 
+def normal(key, shape, dtype=jnp.float32, std=1.0):
+    # One compiled program per shape and dtype, not one per eager op.
+    return _normal(key, tuple(shape), jnp.dtype(dtype), jnp.float32(std))
+
+
 def qkv(key, q_shape, k_shape, dim_v=None, dtype=jnp.float32):
+    """Standard normal q `q_shape`, k `k_shape` and v (k's shape with last axis `dim_v`,
+    default k's), drawn in float32 and cast to `dtype`. `key` may be an int seed."""
+    if isinstance(key, int):
+        key = jax.random.key(key)
     kq, kk, kv = jax.random.split(key, 3)
     v_shape = (*k_shape[:-1], k_shape[-1] if dim_v is None else dim_v)
     return normal(kq, q_shape, dtype), normal(kk, k_shape, dtype), normal(kv, v_shape, dtype)
@@ -50,12 +88,12 @@ def linear_loss(fn, weights_key, **kwargs):
 
     def loss(q, k, v):
         out, lse = fn(q, k, v, **kwargs)
-        w_out = jax.random.normal(weights_key, out.shape, jnp.float32)
-        w_lse = jax.random.normal(jax.random.fold_in(weights_key, 1), lse.shape, jnp.float32)
+        # At least float32 (half-precision sums), float64 kept for the x64 tests.
+        wide = jnp.float64 if out.dtype == jnp.float64 else jnp.float32
+        w_out = jax.random.normal(weights_key, out.shape, wide)
+        w_lse = jax.random.normal(jax.random.fold_in(weights_key, 1), lse.shape, wide)
         finite_lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
-        return jnp.sum(out.astype(jnp.float32) * w_out) + jnp.sum(
-            finite_lse.astype(jnp.float32) * w_lse
-        )
+        return jnp.sum(out.astype(wide) * w_out) + jnp.sum(finite_lse.astype(wide) * w_lse)
 
     return loss
 

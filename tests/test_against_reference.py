@@ -71,11 +71,12 @@ def test_matches_reference(case, getkey):
     (ref_out, ref_lse), ref_grads = outputs_and_grads(plain_attention, q, k, v, wkey, **kwargs)
     assert out.shape == (*q_shape[:-1], v.shape[-1]) and out.dtype == q.dtype
     assert lse.shape == q_shape[:-1] and lse.dtype == jnp.float32
-    assert_close(out, ref_out, name="out")
-    assert_lse_close(lse, ref_lse)
+    # rtol_scale=0.5 keeps float32's rtol at 1e-5 (atol 2e-5), as before the tables merged.
+    assert_close(out, ref_out, rtol_scale=0.5, name="out")
+    assert_lse_close(lse, ref_lse, rtol_scale=0.5)
     for name, g, r in zip("qkv", grads, ref_grads, strict=True):
         assert bool(jnp.isfinite(g).all()), f"d{name} not finite"
-        assert_close(g, r, scale=10.0, name=f"d{name}")
+        assert_close(g, r, kind="grad", scale=2.0, rtol_scale=0.5, name=f"d{name}")
 
 
 def test_causal_flash_attention_is_causal(getkey):
@@ -128,5 +129,5 @@ def test_per_head_key_mask_under_gqa(getkey):
     m = jax.random.bernoulli(getkey(), 0.5, (1, 4, 24)).at[..., 0].set(True)
     out, lse = flash_attention(q, k, v, m, block_q=8, block_k=8)
     ref_out, ref_lse = plain_attention(q, k, v, m)
-    assert_close(out, ref_out)
-    assert_lse_close(lse, ref_lse)
+    assert_close(out, ref_out, rtol_scale=0.5)
+    assert_lse_close(lse, ref_lse, rtol_scale=0.5)

@@ -4,17 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import qkv
 
 from eqx_flash import flash_attention, plain_attention
-
-
-def _qkv(key, lead, seq_q, seq_k, dim=16, dim_v=16, kv_lead=None):
-    kq, kk, kv = jax.random.split(key, 3)
-    kv_lead = lead if kv_lead is None else kv_lead
-    q = jax.random.normal(kq, (*lead, seq_q, dim))
-    k = jax.random.normal(kk, (*kv_lead, seq_k, dim))
-    v = jax.random.normal(kv, (*kv_lead, seq_k, dim_v))
-    return q, k, v
 
 
 def _weights(fn, q, k, rate, key, **kwargs):
@@ -26,7 +18,7 @@ def _weights(fn, q, k, rate, key, **kwargs):
 
 
 def test_deterministic_given_key(getkey):
-    q, k, v = _qkv(getkey(), (2, 3), 40, 40)
+    q, k, v = qkv(getkey(), (2, 3, 40, 16), (2, 3, 40, 16))
     key = jax.random.key(7)
     a, _ = flash_attention(q, k, v, dropout_rate=0.3, key=key)
     b, _ = flash_attention(q, k, v, dropout_rate=0.3, key=jax.random.key(7))
@@ -42,7 +34,7 @@ def test_deterministic_given_key(getkey):
 @pytest.mark.parametrize("blocks", [(8, 8), (16, 32), (32, 8), (None, None)])
 def test_pattern_independent_of_blocks(getkey, blocks):
     # 40 x 56 is not a multiple of any block size, so padding is exercised too.
-    q, k, _ = _qkv(getkey(), (2, 4), 40, 56, kv_lead=(2, 2))
+    q, k, _ = qkv(getkey(), (2, 4, 40, 16), (2, 2, 56, 16))
     key = jax.random.key(3)
     block_q, block_k = blocks
     flash = _weights(flash_attention, q, k, 0.4, key, block_q=block_q, block_k=block_k)
@@ -62,7 +54,7 @@ def test_pattern_independent_of_blocks(getkey, blocks):
 )
 def test_matches_plain_forward_and_backward(getkey, options):
     # GQA (4 query heads on 2 kv heads), seq_q != seq_k, a key-padding mask.
-    q, k, v = _qkv(getkey(), (2, 4), 24, 40, dim=8, dim_v=12, kv_lead=(2, 2))
+    q, k, v = qkv(getkey(), (2, 4, 24, 8), (2, 2, 40, 8), dim_v=12)
     mask = jnp.arange(40)[None, :] < jnp.array([[40], [31]])
     d_out = jax.random.normal(getkey(), (2, 4, 24, 12))
     key = jax.random.key(11)
@@ -73,7 +65,7 @@ def test_matches_plain_forward_and_backward(getkey, options):
             # Include lse so its cotangent path is checked with dropout on.
             return jnp.sum(out * d_out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
 
-        return jax.value_and_grad(f, argnums=(0, 1, 2))(q, k, v)
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))(q, k, v)
 
     val_f, grads_f = loss(flash_attention, {"block_q": 8, "block_k": 16})
     val_p, grads_p = loss(plain_attention, {})
@@ -85,7 +77,7 @@ def test_matches_plain_forward_and_backward(getkey, options):
 
 @pytest.mark.parametrize("rate", [0.1, 0.5, 0.9])
 def test_keep_rate(getkey, rate):
-    q, k, _ = _qkv(getkey(), (4,), 128, 128)
+    q, k, _ = qkv(getkey(), (4, 128, 16), (4, 128, 16))
     w = _weights(flash_attention, q, k, rate, jax.random.key(5), block_q=32, block_k=64)
     kept = np.asarray(w != 0)
     n = kept.size  # 65536 Bernoulli draws: standard error <= 0.002
@@ -108,7 +100,7 @@ def test_keep_rate(getkey, rate):
 def test_unbiased(getkey):
     # Identical problems along the batch axis get independent patterns; their mean
     # approaches the attention without dropout (inverted scaling 1 / (1 - rate)).
-    q, k, v = _qkv(getkey(), (1, 2), 16, 16, dim=8, dim_v=8)
+    q, k, v = qkv(getkey(), (1, 2, 16, 8), (1, 2, 16, 8))
     batch = 512
     qb, kb, vb = (jnp.broadcast_to(x, (batch, *x.shape[1:])) for x in (q, k, v))
     dropped, _ = flash_attention(qb, kb, vb, dropout_rate=0.5, key=jax.random.key(2))
@@ -119,7 +111,7 @@ def test_unbiased(getkey):
 
 
 def test_lse_unaffected(getkey):
-    q, k, v = _qkv(getkey(), (2, 2), 24, 24)
+    q, k, v = qkv(getkey(), (2, 2, 24, 16), (2, 2, 24, 16))
     mask = jnp.arange(24) < 20
     _, lse_drop = flash_attention(q, k, v, mask, causal=True, dropout_rate=0.5,
                                   key=jax.random.key(1))
@@ -131,14 +123,14 @@ def test_lse_unaffected(getkey):
 
 
 def test_rate_zero_ignores_key(getkey):
-    q, k, v = _qkv(getkey(), (2,), 16, 16)
+    q, k, v = qkv(getkey(), (2, 16, 16), (2, 16, 16))
     a, _ = flash_attention(q, k, v, dropout_rate=0.0, key=jax.random.key(0))
     b, _ = flash_attention(q, k, v)
     np.testing.assert_array_equal(a, b)
 
 
 def test_legacy_key_accepted(getkey):
-    q, k, v = _qkv(getkey(), (2,), 16, 16)
+    q, k, v = qkv(getkey(), (2, 16, 16), (2, 16, 16))
     a, _ = flash_attention(q, k, v, dropout_rate=0.5, key=jax.random.PRNGKey(4))
     b, _ = flash_attention(q, k, v, dropout_rate=0.5,
                            key=jax.random.wrap_key_data(jax.random.PRNGKey(4)))
@@ -146,7 +138,7 @@ def test_legacy_key_accepted(getkey):
 
 
 def test_fully_masked_rows_with_dropout(getkey):
-    q, k, v = _qkv(getkey(), (2,), 8, 8)
+    q, k, v = qkv(getkey(), (2, 8, 16), (2, 8, 16))
     attn_mask = jnp.ones((8, 8), bool).at[3].set(False)
 
     def f(q, k, v):
@@ -164,21 +156,21 @@ def test_fully_masked_rows_with_dropout(getkey):
 @pytest.mark.parametrize("fn", [flash_attention, plain_attention])
 @pytest.mark.parametrize("rate", [-0.1, 1.0, 1.5, float("nan")])
 def test_rate_out_of_range(getkey, fn, rate):
-    q, k, v = _qkv(getkey(), (2,), 8, 8)
+    q, k, v = qkv(getkey(), (2, 8, 16), (2, 8, 16))
     with pytest.raises(ValueError, match="dropout_rate"):
         fn(q, k, v, dropout_rate=rate, key=jax.random.key(0))
 
 
 @pytest.mark.parametrize("fn", [flash_attention, plain_attention])
 def test_rate_without_key(getkey, fn):
-    q, k, v = _qkv(getkey(), (2,), 8, 8)
+    q, k, v = qkv(getkey(), (2, 8, 16), (2, 8, 16))
     with pytest.raises(ValueError, match="key"):
         fn(q, k, v, dropout_rate=0.1)
 
 
 @pytest.mark.parametrize("fn", [flash_attention, plain_attention])
 def test_bad_key(getkey, fn):
-    q, k, v = _qkv(getkey(), (2,), 8, 8)
+    q, k, v = qkv(getkey(), (2, 8, 16), (2, 8, 16))
     with pytest.raises(TypeError, match="key"):
         fn(q, k, v, dropout_rate=0.1, key=3)
     # A batch of keys: rejected by the annotation (TypeError) or, unchecked, by validation.
@@ -187,6 +179,6 @@ def test_bad_key(getkey, fn):
 
 
 def test_traced_rate_rejected(getkey):
-    q, k, v = _qkv(getkey(), (2,), 8, 8)
+    q, k, v = qkv(getkey(), (2, 8, 16), (2, 8, 16))
     with pytest.raises(TypeError, match="dropout_rate"):
         jax.jit(lambda r: flash_attention(q, k, v, dropout_rate=r, key=jax.random.key(0)))(0.1)

@@ -14,8 +14,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import jaxtyping
-import numpy as np
 import pytest
+from helpers import normal, qkv
 
 import eqx_flash
 
@@ -23,15 +23,16 @@ B, H, KH, SQ, SK, D, DV = 2, 4, 2, 8, 12, 16, 8
 
 
 def _normal(shape, dtype=jnp.float32):
-    return jnp.asarray(np.random.default_rng(0).standard_normal(shape), dtype)
+    return normal(jax.random.key(0), shape, dtype)
 
 
 def _good() -> dict[str, Any]:
     """A valid call: GQA, a key-padding mask, segment ids, dropout with a key."""
+    q, k, v = qkv(0, (B, H, SQ, D), (B, KH, SK, D), dim_v=DV)
     return dict(
-        q=_normal((B, H, SQ, D)),
-        k=_normal((B, KH, SK, D)),
-        v=_normal((B, KH, SK, DV)),
+        q=q,
+        k=k,
+        v=v,
         mask=jnp.ones((B, SK), bool),
         attn_mask=jnp.ones((SQ, SK), bool),
         q_segment_ids=jnp.zeros((B, SQ), jnp.int32),

@@ -30,3 +30,32 @@ def test_tiny_gpt_loss_falls(capsys):
     assert last < first - 1.2, (first, last)
     printed = capsys.readouterr().out
     assert "step   10  loss" in printed
+
+
+def test_tiny_gpt_cached_decoding_gives_the_same_tokens():
+    """Greedy decoding with the KV cache (prefill, then one `decode` step per token inside
+    a `lax.scan`) produces exactly the tokens of recomputing the whole sequence."""
+    import jax
+    import jax.numpy as jnp
+
+    tiny_gpt = _load("tiny_gpt")
+    model = tiny_gpt.TinyGPT(40, width=32, depth=2, heads=4, kv_heads=2, dropout_p=0.0,
+                             key=jax.random.key(3))
+    prompt = jax.random.randint(jax.random.key(4), (9,), 0, 40, jnp.int32)
+    cached, rate_cached = tiny_gpt.generate_tokens(model, prompt, 16, cache=True)
+    plain, rate_plain = tiny_gpt.generate_tokens(model, prompt, 16, cache=False)
+    np.testing.assert_array_equal(np.asarray(cached), np.asarray(plain))
+    assert len(set(np.asarray(cached).tolist())) > 1  # not a degenerate constant stream
+    assert rate_cached > 0 and rate_plain > 0
+
+
+def test_meanflow_loss_falls(capsys):
+    """The MeanFlow example (jax.jvp through FlashMultiheadAttention inside jax.grad)
+    trains: the loss falls. (Measured: 1.74 at step 0, about 1.2 by step 50.)"""
+    meanflow = _load("meanflow")
+    losses, error = meanflow.train(40, batch=32, log_every=20)
+    assert len(losses) == 40 and np.all(np.isfinite(losses))
+    first, last = losses[0], np.mean(losses[-5:])
+    assert last < first - 0.3, (first, last)
+    assert np.isfinite(error)
+    assert "one-step samples" in capsys.readouterr().out

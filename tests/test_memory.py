@@ -4,11 +4,19 @@ of size seq_q x seq_k. Checked on XLA's buffer assignment, so nothing big is all
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import optimised_compilation
 
 from eqx_flash import flash_attention, plain_attention
 
 SEQ, DIM = 16384, 64
 SCORES = SEQ * SEQ * 4  # one float32 logit matrix: 1 GiB
+
+
+@pytest.fixture(autouse=True)
+def _users_compilation():
+    """Measure the program users get (see `helpers.optimised_compilation`)."""
+    with optimised_compilation():
+        yield
 
 
 def _temp_bytes(attention, causal):
@@ -31,3 +39,51 @@ def test_forward_backward_is_linear_in_memory(causal):
     # Blocks are at most 512 x 512 (1 MiB); q, k, v and their gradients are 4 MiB each.
     assert ours < SCORES / 16, f"{ours / 2**20:.0f} MiB of temporaries"
     assert plain > 2 * SCORES, f"plain attention needed only {plain / 2**20:.0f} MiB"
+
+
+def _compiled_temp(fn, *args) -> int:
+    analysis = jax.jit(fn).lower(*args).compile().memory_analysis()
+    if analysis is None:
+        pytest.fail("this backend gives no memory analysis")
+    return analysis.temp_size_in_bytes
+
+
+def test_forward_mode_is_linear_in_memory():
+    """The jvp alone, and the sCM/MeanFlow training step (grad of a loss on the jvp's
+    primal, stop_gradient on a target built from its tangent) through a small model with
+    FlashMultiheadAttention, each hold far less than one seq x seq float32 matrix."""
+    import equinox as eqx
+
+    from eqx_flash import FlashMultiheadAttention
+
+    x = jax.ShapeDtypeStruct((1, 1, SEQ, DIM), jnp.float32)
+
+    def jvp(q, k, v, dq, dk, dv):
+        return jax.jvp(lambda q, k, v: flash_attention(q, k, v, causal=True), (q, k, v),
+                       (dq, dk, dv))
+
+    jvp_bytes = _compiled_temp(jvp, x, x, x, x, x, x)
+    assert jvp_bytes < SCORES / 8, f"jvp: {jvp_bytes / 2**20:.0f} MiB of temporaries"
+
+    class Net(eqx.Module):
+        attention: FlashMultiheadAttention
+        proj: eqx.nn.Linear
+
+        def __call__(self, x, t):
+            h = jax.vmap(self.proj)(x) * t
+            return x + self.attention(h, h, h)
+
+    keys = jax.random.split(jax.random.key(0), 2)
+    net = Net(FlashMultiheadAttention(1, DIM, causal=True, key=keys[0]),
+              eqx.nn.Linear(DIM, DIM, key=keys[1]))
+    params, static = eqx.partition(net, eqx.is_array)
+
+    def loss(params, x, v, t):
+        model = eqx.combine(params, static)
+        u, du = jax.jvp(model, (x, t), (v, jnp.ones_like(t)))
+        return jnp.mean((u - jax.lax.stop_gradient(u - du)) ** 2)
+
+    seq = jax.ShapeDtypeStruct((SEQ, DIM), jnp.float32)
+    scalar = jax.ShapeDtypeStruct((), jnp.float32)
+    step_bytes = _compiled_temp(jax.grad(loss), params, seq, seq, scalar)
+    assert step_bytes < SCORES / 8, f"sCM step: {step_bytes / 2**20:.0f} MiB of temporaries"

@@ -1,4 +1,6 @@
-"""Bad module construction and bad module calls raise errors naming the argument.
+"""Bad module construction and bad module calls raise errors naming the argument: every
+validation case of `FlashAttention` and `FlashMultiheadAttention` lives here (the options
+they share with the functions are also in `test_option_errors.py`).
 
 Written against the API of the modules issue: `FlashMultiheadAttention(num_heads,
 query_size, ..., *, key, num_kv_heads=...)` called as `mha(query, key_, value, mask)`, and
@@ -49,8 +51,11 @@ def _mha(**kwargs: Any):
         ({"vo_size": -3}, "vo_size"),
         ({"block_q": 0}, "block_q"),
         ({"block_k": -1}, "block_k"),
+        ({"block_k": 2.5}, "block_k"),
         ({"window": -1}, "window"),
         ({"softcap": 0.0}, "softcap"),
+        ({"dropout_p": 1.0}, "dropout_p"),
+        ({"dropout_p": -0.1}, "dropout_p"),
     ],
 )
 def test_construction(kwargs: dict[str, Any], argument: str):
@@ -121,9 +126,38 @@ def test_flash_attention_module_call(shapes: dict[str, tuple[int, ...]], argumen
 
 @pytest.mark.parametrize(
     "kwargs, argument",
-    [({"block_q": 0}, "block_q"), ({"window": (-1, 0)}, "window"), ({"softcap": -1.0}, "softcap")],
+    [
+        ({"block_q": 0}, "block_q"),
+        ({"block_q": -4}, "block_q"),
+        ({"window": (-1, 0)}, "window"),
+        ({"window": (1, 2, 3)}, "window"),
+        ({"softcap": -1.0}, "softcap"),
+        ({"softcap": -2.0}, "softcap"),
+        ({"scale": float("inf")}, "scale"),
+        ({"dropout_p": 1.5}, "dropout_p"),
+    ],
 )
 def test_flash_attention_module_construction(kwargs: dict[str, Any], argument: str):
     with pytest.raises(ERRORS) as error:
         eqx_flash.FlashAttention(**kwargs)
     _assert_names(error, argument)
+
+
+def test_flash_attention_module_causal_must_be_bool():
+    with pytest.raises(TypeError) as error:
+        eqx_flash.FlashAttention(causal=1)  # type: ignore[arg-type]
+    _assert_names(error, "causal")
+
+
+def test_from_eqx_rejects_unknown_options():
+    mha = eqx.nn.MultiheadAttention(2, 8, key=jax.random.key(1))
+    with pytest.raises(TypeError, match="num_kv_heads"):
+        eqx_flash.FlashMultiheadAttention.from_eqx(mha, num_kv_heads=1)
+
+
+def test_process_heads_must_keep_shapes():
+    mha = _mha()
+    x = jnp.zeros((Q_SEQ, QUERY))
+    with pytest.raises(ValueError, match="process_heads"):
+        mha(x, jnp.zeros((KV_SEQ, KEY)), jnp.zeros((KV_SEQ, VALUE)),
+            process_heads=lambda q, k, v: (q[:-1], k[:-1], v[:-1]))

@@ -1,11 +1,14 @@
-"""FlashAttention and FlashMultiheadAttention against eqx.nn.MultiheadAttention."""
+"""FlashAttention and FlashMultiheadAttention against eqx.nn.MultiheadAttention.
+
+Bad construction and bad calls are tested in `test_module_errors.py`.
+"""
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import enable_x64
+from helpers import enable_x64, qkv
 
 from eqx_flash import FlashAttention, FlashMultiheadAttention, flash_attention, plain_attention
 
@@ -35,12 +38,8 @@ def _value_and_grads(model, query, key_, value, cotangent, **call):
 
 
 def _inputs(key, query_size=16, key_size=16, value_size=16, seq_q=SEQ_Q, seq_k=SEQ_K):
-    kq, kk, kv = jax.random.split(key, 3)
-    return (
-        jax.random.normal(kq, (seq_q, query_size)),
-        jax.random.normal(kk, (seq_k, key_size)),
-        jax.random.normal(kv, (seq_k, value_size)),
-    )
+    """Unbatched `(seq, size)` query, key and value inputs of the modules."""
+    return qkv(key, (seq_q, query_size), (seq_k, key_size), dim_v=value_size)
 
 
 # --- initialisation and conversion ---
@@ -95,12 +94,6 @@ def test_from_eqx_keeps_weights_and_dropout():
     q, k, v = _inputs(jax.random.key(2), 16, 12, 10, seq_k=SEQ_Q)
     causal = jnp.tril(jnp.ones((SEQ_Q, SEQ_Q), bool))
     np.testing.assert_allclose(ours(q, k, v), mha(q, k, v, causal), rtol=1e-5, atol=1e-6)
-
-
-def test_from_eqx_rejects_unknown_options():
-    mha = eqx.nn.MultiheadAttention(2, 8, key=jax.random.key(1))
-    with pytest.raises(TypeError, match="num_kv_heads"):
-        FlashMultiheadAttention.from_eqx(mha, num_kv_heads=1)
 
 
 # --- parity with eqx.nn.MultiheadAttention ---
@@ -165,13 +158,6 @@ def test_rotary_process_heads(getkey):
     _assert_tree_close(_params(grads_o[0]).query_proj, _params(grads_e[0]).query_proj)
     # Rotary embeddings actually changed something.
     assert not np.allclose(ours(x, x, x, process_heads=_rope_heads(rope)), ours(x, x, x))
-
-
-def test_process_heads_must_keep_shapes(getkey):
-    ours = FlashMultiheadAttention(4, 16, key=getkey())
-    x, _, _ = _inputs(getkey())
-    with pytest.raises(ValueError, match="process_heads"):
-        ours(x, x, x, process_heads=lambda q, k, v: (q[:-1], k[:-1], v[:-1]))
 
 
 def test_fully_masked_row_differs_from_equinox(getkey):
@@ -334,10 +320,7 @@ def test_deprecated_deterministic_keyword(getkey):
 
 
 def test_flash_attention_module(getkey):
-    kq, kk, kv = jax.random.split(getkey(), 3)
-    q = jax.random.normal(kq, (4, SEQ_Q, 8))
-    k = jax.random.normal(kk, (2, SEQ_K, 8))
-    v = jax.random.normal(kv, (2, SEQ_K, 6))
+    q, k, v = qkv(getkey(), (4, SEQ_Q, 8), (2, SEQ_K, 8), dim_v=6)
     attn = FlashAttention(causal=True, window=[4, None], softcap=5.0, scale=0.3, block_q=4,
                           block_k=8, dropout_p=0.25)
     assert attn.window == (4, None)
@@ -364,50 +347,58 @@ def test_flash_attention_module(getkey):
     assert attn(q, k, v, key=drop_key).shape == (4, SEQ_Q, 6)
 
 
-def test_shape_errors(getkey):
-    ours = FlashMultiheadAttention(2, 8, key=getkey())
-    x = jnp.ones((5, 8))
-    with pytest.raises(Exception, match="seq_k|shape"):
-        ours(x, x, jnp.ones((4, 8)))
-    with pytest.raises(Exception, match="query_size|shape"):
-        ours(jnp.ones((5, 7)), x, x)
+def test_lengths_bias_and_alibi_at_call_time(getkey):
+    """Both modules take `q_lengths`/`kv_lengths`/`bias`/`alibi_slopes` per example, and
+    `vmap` gives per-example values: the same answer as the batched functions."""
+    batch = 3
+    q, k, v = qkv(getkey(), (batch, 4, SEQ_Q, 8), (batch, 2, SEQ_K, 8))
+    bias = jax.random.normal(getkey(), (batch, 4, SEQ_Q, SEQ_K))
+    slopes = jnp.array([0.5, 0.25, 0.125, 0.0625])
+    q_len, kv_len = jnp.array([SEQ_Q, 7, 1]), jnp.array([SEQ_K, 9, 3])
+    extra = dict(bias=bias, q_lengths=q_len, kv_lengths=kv_len)
 
+    attn = FlashAttention(causal=True, block_q=4, block_k=8)
+    out = jax.vmap(lambda q, k, v, b, lq, lk: attn(
+        q, k, v, bias=b, q_lengths=lq, kv_lengths=lk, alibi_slopes=slopes))(
+        q, k, v, bias, q_len, kv_len)
+    ref, _ = plain_attention(q, k, v, causal=True, alibi_slopes=slopes, **extra)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+    assert np.all(np.asarray(out[1, :, 7:]) == 0)  # queries past q_lengths
 
-# --- field validation ---
+    # The multi-head module: the same heads through the projections, and rows past
+    # q_lengths are the output projection of zeros.
+    mha = FlashMultiheadAttention(4, 16, num_kv_heads=2, causal=True, use_output_bias=True,
+                                  key=getkey())
+    x = jax.random.normal(getkey(), (batch, SEQ_K, 16))
+    y = x[:, :SEQ_Q]
 
+    def ours(y, x, b, lq, lk):
+        return mha(y, x, x, bias=b, q_lengths=lq, kv_lengths=lk, alibi_slopes=slopes)
 
-@pytest.mark.parametrize(
-    ("kwargs", "field"),
-    [
-        ({"num_kv_heads": 3}, "num_kv_heads"),
-        ({"num_kv_heads": 0}, "num_kv_heads"),
-        ({"dropout_p": 1.0}, "dropout_p"),
-        ({"dropout_p": -0.1}, "dropout_p"),
-        ({"window": -1}, "window"),
-        ({"softcap": 0.0}, "softcap"),
-        ({"block_q": 0}, "block_q"),
-        ({"block_k": 2.5}, "block_k"),
-    ],
-)
-def test_mha_field_validation(kwargs, field):
-    # A wrong type may be caught first by the jaxtyping/beartype check (a TypeError that
-    # names the parameter); a wrong value by __check_init__'s ValueError.
-    with pytest.raises((ValueError, TypeError), match=field):
-        FlashMultiheadAttention(4, 16, key=jax.random.key(0), **kwargs)
+    def reference(y, x, b, lq, lk):
+        def attend(q, k, v):  # (seq, heads, size) -> heads first, plain attention, back
+            t = (jnp.swapaxes(a, 0, 1) for a in (q, k, v))
+            out, _ = plain_attention(*t, causal=True, bias=b, q_lengths=lq, kv_lengths=lk,
+                                     alibi_slopes=slopes)
+            return jnp.swapaxes(out, 0, 1)
 
+        q = jax.vmap(mha.query_proj)(y).reshape(SEQ_Q, 4, -1)
+        k = jax.vmap(mha.key_proj)(x).reshape(SEQ_K, 2, -1)
+        v = jax.vmap(mha.value_proj)(x).reshape(SEQ_K, 2, -1)
+        return jax.vmap(mha.output_proj)(attend(q, k, v).reshape(SEQ_Q, -1))
 
-@pytest.mark.parametrize(
-    ("kwargs", "field", "error"),
-    [
-        ({"causal": 1}, "causal", TypeError),
-        ({"window": (1, 2, 3)}, "window", ValueError),
-        ({"softcap": -2.0}, "softcap", ValueError),
-        ({"scale": float("inf")}, "scale", ValueError),
-        ({"block_q": -4}, "block_q", ValueError),
-        ({"dropout_p": 1.5}, "dropout_p", ValueError),
-    ],
-)
-def test_flash_attention_field_validation(kwargs, field, error):
-    # The jaxtyping/beartype check on __init__ may reject a wrong type first (a TypeError).
-    with pytest.raises((error, TypeError), match=field):
-        FlashAttention(**kwargs)
+    out = jax.jit(jax.vmap(ours))(y, x, bias, q_len, kv_len)
+    np.testing.assert_allclose(out, jax.vmap(reference)(y, x, bias, q_len, kv_len),
+                               rtol=1e-5, atol=1e-5)
+    zeros_out = mha.output_proj(jnp.zeros(mha.num_heads * mha.vo_size))
+    np.testing.assert_allclose(out[2, 1:], jnp.broadcast_to(zeros_out, (SEQ_Q - 1, 16)),
+                               rtol=1e-6, atol=1e-6)
+
+    # Gradients reach the bias and the slopes through the module.
+    d_bias, d_slopes = jax.grad(lambda b, s: jnp.sum(attn(
+        q[0], k[0], v[0], bias=b, alibi_slopes=s) ** 2), argnums=(0, 1))(bias[0], slopes)
+    r_bias, r_slopes = jax.grad(lambda b, s: jnp.sum(plain_attention(
+        q[0], k[0], v[0], causal=True, bias=b, alibi_slopes=s)[0] ** 2), argnums=(0, 1))(
+        bias[0], slopes)
+    np.testing.assert_allclose(d_bias, r_bias, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(d_slopes, r_slopes, rtol=1e-4, atol=1e-5)

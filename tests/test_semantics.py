@@ -24,7 +24,7 @@ def test_fully_masked_rows_give_zero_and_neg_inf(fn, getkey):
         out, lse = fn(q, k, v, mask, **kwargs)
         return jnp.sum(out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0)), (out, lse)
 
-    grads, (out, lse) = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    grads, (out, lse) = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
     np.testing.assert_array_equal(out[1], 0.0)
     np.testing.assert_array_equal(out[0, :, :5], 0.0)
     assert bool(jnp.isneginf(lse[1]).all()) and bool(jnp.isneginf(lse[0, :, :5]).all())
@@ -60,7 +60,7 @@ def test_half_precision_keeps_dtype_and_accuracy(dtype, getkey):
     assert_close(out, ref_out, dtype=dtype)
     assert_lse_close(lse, ref_lse, dtype=dtype)
     for g, r in zip(grads, ref_grads, strict=True):
-        assert_close(g, r, dtype=dtype, scale=4.0)
+        assert_close(g, r, dtype=dtype, kind="grad", scale=3.0)
 
 
 def test_float64_is_exact_to_float64_roundoff(getkey):
@@ -76,7 +76,7 @@ def test_float64_is_exact_to_float64_roundoff(getkey):
         assert_lse_close(lse, ref_lse, dtype=jnp.float64)
         for g, r in zip(grads, ref_grads, strict=True):
             assert g.dtype == jnp.float64
-            assert_close(g, r, dtype=jnp.float64, scale=10.0)
+            assert_close(g, r, dtype=jnp.float64, kind="grad")
 
 
 def test_lse_gradient_only(getkey):
@@ -86,10 +86,10 @@ def test_lse_gradient_only(getkey):
     def z_loss(fn, **kw):
         return lambda q, k: jnp.sum(fn(q, k, v, causal=True, **kw)[1] ** 2)
 
-    g = jax.grad(z_loss(flash_attention, block_q=16, block_k=16), argnums=(0, 1))(q, k)
-    r = jax.grad(z_loss(plain_attention), argnums=(0, 1))(q, k)
+    g = jax.jit(jax.grad(z_loss(flash_attention, block_q=16, block_k=16), argnums=(0, 1)))(q, k)
+    r = jax.jit(jax.grad(z_loss(plain_attention), argnums=(0, 1)))(q, k)
     for a, b in zip(g, r, strict=True):
-        assert_close(a, b, scale=10.0)
+        assert_close(a, b, kind="grad", scale=2.0, rtol_scale=0.5)
 
 
 def _to_bthd(x):
@@ -106,7 +106,7 @@ def test_matches_jax_nn_dot_product_attention(causal, kv_heads, getkey):
         _to_bthd(q), _to_bthd(k), _to_bthd(v), mask=mask[:, None, None, :], is_causal=causal,
         implementation="xla",
     )
-    assert_close(out, _to_bthd(ref))
+    assert_close(out, _to_bthd(ref), rtol_scale=0.5)
 
 
 def test_matches_seed_package(getkey):
@@ -114,9 +114,9 @@ def test_matches_seed_package(getkey):
     q, k, v = qkv(getkey(), (2, 2, 128, 32), (2, 2, 128, 32))
     mask = jax.random.bernoulli(getkey(), 0.7, (2, 128)).at[:, 0].set(True)
     out, _ = flash_attention(q, k, v, mask)
-    assert_close(out, seed.flash_attention(q, k, v, mask), scale=5.0)
+    assert_close(out, seed.flash_attention(q, k, v, mask), scale=5.0, rtol_scale=0.5)
     out, _ = flash_attention(q, k, v, causal=True)
-    assert_close(out, seed.causal_flash_attention(q, k, v), scale=5.0)
+    assert_close(out, seed.causal_flash_attention(q, k, v), scale=5.0, rtol_scale=0.5)
     # And the seed's own sanity check, run on our function against its reference.
     diff, grads = value_and_grad_difference(seed.plain_attention, flash_attention, batch=1,
                                             heads=2, q_seq_len=64, k_seq_len=96, dim=16)

@@ -165,6 +165,65 @@ def test_ring_in_shard_map_one_device(getkey, check_vma):
         assert_close(g, r, scale=4.0)
 
 
+@covers("flash_attention")
+def test_lengths_bias_and_alibi_match_plain(getkey):
+    q, k, v = qkv(getkey(), (2, 4, 24, 8), (2, 2, 40, 8))
+    kwargs = dict(
+        causal=True, q_lengths=jnp.array([24, 9]), kv_lengths=jnp.array([40, 17]),
+        bias=0.3 * jax.random.normal(getkey(), (4, 24, 40)),
+        alibi_slopes=2.0 ** -jnp.arange(1.0, 5.0),
+    )
+    wkey = getkey()
+    (out, lse), grads = outputs_and_grads(eqx_flash.flash_attention, q, k, v, wkey,
+                                          block_q=8, block_k=16, **kwargs)
+    (ref, ref_lse), ref_grads = outputs_and_grads(eqx_flash.plain_attention, q, k, v, wkey,
+                                                  **kwargs)
+    assert_close(out, ref)
+    assert_lse_close(lse, ref_lse)
+    for g, r in zip(grads, ref_grads, strict=True):
+        assert_close(g, r, scale=4.0)
+
+
+@covers("flash_attention")
+def test_forward_mode_matches_plain(getkey):
+    q, k, v = qkv(getkey(), (2, 24, 8), (2, 32, 8))
+    tangents = qkv(getkey(), (2, 24, 8), (2, 32, 8))
+    flash = lambda q, k, v: eqx_flash.flash_attention(  # noqa: E731
+        q, k, v, causal=True, block_q=8, block_k=8)
+    plain = lambda q, k, v: eqx_flash.plain_attention(q, k, v, causal=True)  # noqa: E731
+    (out, lse), (d_out, d_lse) = jax.jvp(flash, (q, k, v), tangents)
+    _, (ref_d_out, ref_d_lse) = jax.jvp(plain, (q, k, v), tangents)
+    assert_close(d_out, ref_d_out, scale=4.0)
+    assert_close(d_lse, ref_d_lse, scale=4.0)
+    # ...and reverse mode of a function that takes a jvp inside (the sCM/MeanFlow pattern).
+    grad = jax.grad(lambda q: jnp.sum(jax.jvp(flash, (q, k, v), tangents)[0][0] ** 2))(q)
+    ref_grad = jax.grad(lambda q: jnp.sum(plain(q, k, v)[0] ** 2))(q)
+    assert_close(grad, ref_grad, scale=4.0)
+
+
+@covers("KVCache", "rotary")
+def test_cached_decoding_equals_full_attention():
+    layer = eqx_flash.FlashMultiheadAttention(4, 16, num_kv_heads=2, causal=True,
+                                              key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (10, 16))
+
+    def rope(q, k, v, positions):
+        rot = jax.vmap(lambda x: eqx_flash.rotary(x, positions), in_axes=1, out_axes=1)
+        return rot(q), rot(k), v
+
+    cache = layer.init_cache(max_len=16)
+    assert isinstance(cache, eqx_flash.KVCache)
+    first, cache = layer.decode(x[:6], cache, process_heads=rope)
+    rest, cache = jax.lax.scan(
+        lambda c, x_t: layer.decode(x_t[None], c, process_heads=rope)[::-1], cache, x[6:])
+    full = layer(x, x, x, process_heads=lambda q, k, v: rope(q, k, v, jnp.arange(10)))
+    assert_close(jnp.concatenate([first, rest[:, 0]]), full)
+    assert int(cache.length) == 10
+    # rotary at positions 0..n-1 is Equinox's rotary embedding.
+    y = jax.random.normal(jax.random.key(2), (10, 16))
+    assert_close(eqx_flash.rotary(y, jnp.arange(10)), eqx.nn.RotaryPositionalEmbedding(16)(y))
+
+
 @covers("testing.attention_inputs", "testing.check_attention", "testing.AttentionInputs",
         "testing.Tolerance", "testing.TOLERANCES", "testing.value_and_grad_difference")
 def test_testing_finds_a_bug_and_passes_flash():

@@ -28,14 +28,16 @@ def test_jit_equals_eager(getkey):
 def test_vmap_equals_separate_calls(getkey):
     q, k, v = qkv(getkey(), (3, 2, 20, 8), (3, 2, 24, 8))
     mask = jax.random.bernoulli(getkey(), 0.8, (3, 24)).at[:, 0].set(True)
-    batched = jax.vmap(lambda q, k, v, m: flash_attention(q, k, v, m, **KW))(q, k, v, mask)
+    # Compiled once each (what is checked is vmap's batching, not eager dispatch).
+    batched = jax.jit(jax.vmap(lambda q, k, v, m: flash_attention(q, k, v, m, **KW)))(q, k, v, mask)
+    single_call = jax.jit(lambda q, k, v, m: flash_attention(q, k, v, m, **KW))
     for i in range(3):
-        single = flash_attention(q[i], k[i], v[i], mask[i], **KW)
+        single = single_call(q[i], k[i], v[i], mask[i])
         for a, b in zip(batched, single, strict=True):
             np.testing.assert_allclose(a[i], b, rtol=1e-5, atol=1e-6)
     # vmap of grad agrees too.
-    g = jax.vmap(jax.grad(_loss, argnums=(0, 1, 2)))(q, k, v, mask)
-    g0 = jax.grad(_loss, argnums=(0, 1, 2))(q[0], k[0], v[0], mask[0])
+    g = jax.jit(jax.vmap(jax.grad(_loss, argnums=(0, 1, 2))))(q, k, v, mask)
+    g0 = jax.jit(jax.grad(_loss, argnums=(0, 1, 2)))(q[0], k[0], v[0], mask[0])
     for a, b in zip(g, g0, strict=True):
         np.testing.assert_allclose(a[0], b, rtol=1e-5, atol=1e-5)
 
@@ -43,8 +45,8 @@ def test_vmap_equals_separate_calls(getkey):
 def test_checkpoint_and_scan(getkey):
     q, k, v = qkv(getkey(), (2, 16, 8), (2, 16, 8))
     mask = jnp.ones((16,), bool)
-    direct = jax.grad(_loss, argnums=(0, 1, 2))(q, k, v, mask)
-    remat = jax.grad(jax.checkpoint(_loss), argnums=(0, 1, 2))(q, k, v, mask)
+    direct = jax.jit(jax.grad(_loss, argnums=(0, 1, 2)))(q, k, v, mask)
+    remat = jax.jit(jax.grad(jax.checkpoint(_loss), argnums=(0, 1, 2)))(q, k, v, mask)
     for a, b in zip(direct, remat, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
@@ -62,7 +64,9 @@ def test_checkpoint_and_scan(getkey):
             x, _ = plain_attention(x, k, v, mask, causal=True)
         return jnp.sum(x)
 
-    assert_close(jax.grad(layers)(q), jax.grad(layers_ref)(q), scale=10.0)
+    assert_close(jax.jit(jax.grad(layers))(q), jax.jit(jax.grad(layers_ref))(q), kind="grad",
+                 scale=2.0,
+                 rtol_scale=0.5)
 
 
 def test_equinox_filter_jit_and_grad(getkey):
@@ -79,7 +83,7 @@ def test_equinox_filter_jit_and_grad(getkey):
     ref = jax.grad(lambda q, k, v: jnp.sum(plain_attention(q, k, v, causal=True)[0]),
                    argnums=(0, 1, 2))(q, k, v)
     for name, r in zip("qkv", ref, strict=True):
-        assert_close(g[name], r, scale=10.0)
+        assert_close(g[name], r, kind="grad", scale=2.0, rtol_scale=0.5)
 
 
 def test_masks_get_no_gradient_and_accept_tracers(getkey):
@@ -94,4 +98,4 @@ def test_masks_get_no_gradient_and_accept_tracers(getkey):
     g = jax.grad(f)(q, ids)
     r = jax.grad(lambda q: jnp.sum(plain_attention(q, k, v, q_segment_ids=ids,
                                                    kv_segment_ids=ids, causal=True)[0]))(q)
-    assert_close(g, r, scale=10.0)
+    assert_close(g, r, kind="grad", scale=2.0, rtol_scale=0.5)

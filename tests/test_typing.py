@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import jaxtyping
 import numpy as np
 import pytest
+from helpers import qkv
 
 import eqx_flash
 from eqx_flash import _flash, _masking
@@ -17,11 +18,7 @@ H, KH, SQ, SK, D, DV = 4, 2, 8, 12, 16, 8
 
 
 def _qkv(lead: tuple[int, ...], kv_lead: tuple[int, ...], dtype=jnp.float32):
-    rng = np.random.default_rng(0)
-    q = rng.standard_normal((*lead, SQ, D))
-    k = rng.standard_normal((*kv_lead, SK, D))
-    v = rng.standard_normal((*kv_lead, SK, DV))
-    return (jnp.asarray(x, dtype) for x in (q, k, v))
+    return qkv(0, (*lead, SQ, D), (*kv_lead, SK, D), dim_v=DV, dtype=dtype)
 
 
 @pytest.fixture
@@ -112,7 +109,7 @@ def test_return_value_is_checked(monkeypatch):
     """The return annotation binds dim_v to v's: a kernel that got it wrong is caught."""
     q, k, v = _qkv((2, H), (2, KH))
 
-    def wrong_blockwise(q, k, v, masks, seed, *, cfg, shapes):
+    def wrong_blockwise(*args, **kwargs):
         return jnp.zeros((2, H, SQ, DV + 1)), jnp.zeros((2, H, SQ))
 
     monkeypatch.setattr(_flash, "_blockwise", wrong_blockwise)

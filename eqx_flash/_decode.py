@@ -1,0 +1,93 @@
+"""Flash-decoding forward: few queries against many keys, the keys split into `splits`
+lanes whose partial results are merged by their log-sum-exp.
+
+The regular forward walks a query block's key blocks one after another: with one or a
+few queries, a long chain of tiny products. Here each loop step takes `splits`
+consecutive key blocks at once (one contiguous slice of K and V, one wide product), and
+lane `p` keeps its own online-softmax state over blocks `p, p + splits, ...`: the lanes are
+the split-K partial results, merged at the end by `_softmax.merge_all`. The loop runs
+over the rounds that the run-time limits leave (lengths, segment ids, the band), so a
+long, mostly empty cache costs its valid part. Same inputs and outputs as
+`_forward.forward`; the backward pass is the regular `_backward.backward`.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array
+
+from . import _softmax
+from ._block import allowed, dropout_multiplier, logits, rows, scaled
+from ._config import KernelConfig, stat_dtype
+from ._heads import Head, per_head
+from ._masking import Masks
+from ._schedule import band_ranges, run_limits
+from ._scores import ScoreMods
+
+
+def decode_forward(
+    cfg: KernelConfig, q: Array, k: Array, v: Array, masks: Masks, seed: Array | None
+) -> tuple[Array, Array]:
+    """`_forward.forward` with the key blocks taken `cfg.splits` at a time, one lane each."""
+    kernel = functools.partial(_head, cfg, seed)
+    return per_head(kernel, (masks, ScoreMods()), (q, k, v))
+
+
+def _head(
+    cfg: KernelConfig, seed: Array | None, head: Head, arrays: tuple[Array, ...]
+) -> tuple[Array, Array]:
+    q, k, v = arrays
+    groups, seq_q_pad = q.shape[:2]
+    lanes, bk = cfg.splits, cfg.block_k
+    width = lanes * bk
+    rounds = -(-k.shape[0] // width)
+    extra = rounds * width - k.shape[0]
+    masks = head.masks
+    if extra:  # a ragged last round: pad it with keys masked by position
+        k, v = (jnp.pad(x, ((0, extra), (0, 0))) for x in (k, v))
+        masks = Masks(*(m if m is None or m.shape[-1] == 1 else
+                        jnp.pad(m, ((0, 0),) * (m.ndim - 1) + ((0, extra),)) for m in masks))
+    bands = band_ranges(cfg.seq_q, cfg.seq_k, cfg.block_q, bk, cfg.band_window, cfg.offset,
+                        by="q")
+    lo, hi = jnp.asarray(bands.lo), jnp.asarray(bands.hi)
+    limits = run_limits(cfg, masks, by="q")
+    if limits is not None:
+        lo, hi = jnp.maximum(lo, limits[0]), jnp.minimum(hi, limits[1])
+        hi = jnp.maximum(hi, lo)
+    # One round's products and masks are those of one block `lanes` times wider.
+    wide = dataclasses.replace(cfg, block_k=width)
+    q = scaled(cfg, q)
+    stat = stat_dtype(q.dtype)
+
+    def query_block(_, i):
+        q_start = i * cfg.block_q
+        q_blk = rows(q, q_start, cfg.block_q, 1)  # (g, bq, d)
+        state = _softmax.start(q_blk, (lanes, groups, cfg.block_q, v.shape[-1]), stat)
+
+        def one_round(r, state):
+            k_start = r * width
+            s, _ = logits(wide, q_blk, rows(k, k_start, width, 0), None)  # (g, bq, lanes * bk)
+            mask = allowed(wide, masks, q_start, k_start, True)
+            assert mask is not None  # positional: always a mask
+            s = jnp.where(mask, s, -jnp.inf)
+            s = jnp.moveaxis(s.reshape(groups, cfg.block_q, lanes, bk), 2, 0)
+            p, alpha, row_max, row_sum = _softmax.rescale(state, s)
+            drop = dropout_multiplier(wide, seed, head, q_start, k_start, stat)
+            if drop is not None:
+                p = p * jnp.moveaxis(drop.reshape(groups, cfg.block_q, lanes, bk), 2, 0)
+            v_blk = rows(v, k_start, width, 0).reshape(lanes, bk, v.shape[-1])
+            pv = jnp.einsum("lgqk,lkd->lgqd", p.astype(v.dtype), v_blk,
+                            preferred_element_type=stat)
+            return _softmax.Running(alpha[..., None] * state.acc + pv, row_max, row_sum)
+
+        state = jax.lax.fori_loop(lo[i] // lanes, -(-hi[i] // lanes), one_round, state)
+        out, lse = _softmax.finish(*state)  # per lane: (lanes, g, bq, dv), (lanes, g, bq)
+        return None, _softmax.merge_all(out, lse, axis=0)
+
+    num_q = seq_q_pad // cfg.block_q
+    _, (out, lse) = jax.lax.scan(query_block, None, jnp.arange(num_q, dtype=jnp.int32))
+    out = jnp.moveaxis(out, 0, 1).reshape(groups, seq_q_pad, v.shape[-1])
+    lse = jnp.moveaxis(lse, 0, 1).reshape(groups, seq_q_pad)
+    return out.astype(q.dtype), lse

@@ -1,0 +1,644 @@
+"""Forward-mode AD: a blockwise tangent kernel, and the `custom_jvp` wiring that keeps
+the hand-written backward for reverse mode.
+
+## The kernel
+
+`tangent` computes `(out, lse, d_out, d_lse)` for tangents `(dq, dk, dv)` in one pass over
+the forward's band schedule (`_schedule.band_ranges`, `_block.over_band`), with online
+softmax, so nothing of size seq_q x seq_k is stored. Per query row, with `P = softmax(S)`
+over the attended keys, `S` the scaled (and capped) logits and `M` the dropout multiplier
+(`keep / (1 - rate)`, or 1):
+
+    out    = (P * M) V                                  lse = log sum exp S
+    dS     = scale (dQ K^T + Q dK^T)   [times 1 - tanh^2 with a softcap]
+    d_lse  = rowsum(P * dS)                             (dropout does not touch lse)
+    d_out  = (P * M) dV + (P * M * dS) V - d_lse * out
+
+(`dP = P * (dS - d_lse)` and `out` carries `M`, hence the last term.) The kernel
+accumulates `(P*M) V`, `(P*M) dV + (P*M*dS) V`, `rowsum(P*dS)` and `rowsum(P)` from
+unnormalised weights `exp(S - running_max)`, rescaled together when the max moves, and
+divides once at the end. `dS` is one matmul, `[q, dq] [dk, k]^T`, and `(P*M) [V, dV]`
+another: four block products per step against the forward's two. A row with no key
+gets `out = 0`, `lse = -inf` and zero tangents.
+
+`tangent_given_stats` is the variant the JVP rule runs: the rule has the forward's `out`
+and `lse` already (reverse mode needs the primal from the `custom_vjp` forward, see
+below), so the weights `P = exp(S - lse)` come out normalised, nothing is rescaled and
+`(P*M) V` is not recomputed: per block, `S`, `dS` (one product of twice the depth),
+`(P*M) dV` and `(P*M*dS) V`. A jvp therefore costs a forward plus about 2.5 forwards
+(measured: `benchmarks/jvp_results.md`). The one-pass kernel would save the separate
+forward, but only where no transform needs the primal on its own (plain `jax.jvp`); the
+rule cannot tell that case apart reliably (`vmap` and `checkpoint` hide the
+linearisation), so it always takes the robust route.
+
+## The wiring (`with_forward_mode`)
+
+JAX lets a function have a custom VJP or a custom JVP, not both. The attention becomes a
+`jax.custom_jvp` (symbolic zeros on) around the existing `custom_vjp` function, and its JVP
+rule returns
+
+- the primal by calling the `custom_jvp` function itself (so any outer transform re-enters
+  this rule, and reverse mode of the primal is today's `custom_vjp`), and
+- the tangent through `_linear_p`, a primitive that does what
+  `jax.custom_derivatives.linear_call(tangent_fn, backward_fn, residuals, tangents)` does
+  (plus the batching rule and zero handling linear_call lacks): `tangent_fn` is
+  `tangent_given_stats` (linear in the tangents), and its transpose `backward_fn` is
+  today's hand-written backward kernel. So `jax.grad`, which
+  linearises through this rule and transposes the linear call, runs exactly the old
+  forward and backward kernels. Only the non-zero tangents enter the linear call (a
+  transpose must see every linear operand undefined), so gradients with respect to a
+  subset of q, k, v work.
+
+Like `linear_call`, the primitive requires its residuals to carry no tangents (its
+transpose is a fixed kernel), so they pass through
+`stop_gradient`. That is exact for first-order forward and reverse mode and for the
+sCM/MeanFlow pattern (`jax.grad` of a loss on the primal output of a `jax.jvp`, with the
+tangent output under `stop_gradient`): there the derivative of the tangent with respect to
+the residuals is never used. Where it would be used, it would be silently dropped, so it
+is not dropped but *poisoned*: one more residual, `z(q, k, v, out, lse)`, is zero and keeps
+its derivative, which is `_unsupported_p`, a primitive that raises a clear error when it
+is evaluated, compiled or transposed; the linear primitive's JVP adds that derivative to
+its output tangents (forward or transposed). First-order programs contain no trace of it.
+JAX's linearisation removes dead code before transposing, so the poison only fires when a
+second-order term actually reaches an output: a loss on the tangent output itself,
+forward-over-forward (`jacfwd(jacfwd)`), forward-over-reverse (`hessian`) or
+reverse-over-reverse. Those raise; the error says to put the tangent under `stop_gradient` or
+differentiate `plain_attention` instead.
+"""
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import core
+from jax.custom_derivatives import SymbolicZero
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+from jaxtyping import Array
+
+from . import _block
+from ._backward import backward, prepare
+from ._config import KernelConfig, stat_dtype
+from ._heads import Head, per_head
+from ._masking import Masks
+from ._schedule import band_ranges, over_band, run_limits
+from ._scores import ScoreMods
+
+SECOND_ORDER_MESSAGE = (
+    "eqx_flash: this needs a second-order derivative of flash attention (a derivative of "
+    "its jvp tangent, or of its gradient, with respect to q, k or v), which is not "
+    "supported. First-order jax.jvp/jax.linearize/jax.jacfwd/jax.grad work, and so does "
+    "jax.grad of a loss on the primal output of a jax.jvp when the tangent output enters "
+    "the loss only through jax.lax.stop_gradient (the sCM/MeanFlow pattern). Wrap the "
+    "jvp tangent in jax.lax.stop_gradient, or use eqx_flash.plain_attention (which "
+    "materialises the logits) where you need higher-order derivatives."
+)
+
+
+# --- the kernel ---------------------------------------------------------------------------
+
+
+def _step_update(cfg, seed, head, blocks, q_start, k_start, mask, carry):
+    """One (query block, key block) update of the running sums."""
+    q_blk, qq_blk, k_blk, kk_blk, vv_blk, dim_v = blocks
+    acc, acc_t, acc_ds, row_max, row_sum = carry
+    stat = acc.dtype
+    s, t = _block.logits(cfg, q_blk, k_blk, None)  # exactly the forward's logits
+    ds = _block.matmul(qq_blk, kk_blk, "qd,kd->qk", stat)  # q dk^T + dq k^T
+    if not _block.folds_scale(qq_blk.dtype):
+        ds = ds * jnp.asarray(cfg.scale, stat)
+    if t is not None:
+        ds = ds * (1.0 - t * t)
+    if mask is not None:
+        s = jnp.where(mask, s, -jnp.inf)
+    new_max = jnp.maximum(row_max, s.max(axis=-1))
+    p = jnp.exp(s - new_max[..., None])
+    alpha = jnp.exp(row_max - new_max)
+    p_ds = p * ds  # finite: masked entries have p = 0 and finite ds
+    drop = _block.dropout_multiplier(cfg, seed, head, q_start, k_start, stat)
+    if drop is None:
+        p_v, p_ds_v = p, p_ds
+    else:
+        p_v, p_ds_v = p * drop, p_ds * drop
+    both = _block.matmul(p_v.astype(vv_blk.dtype), vv_blk, "qk,kd->qd", stat)  # P[V, dV]
+    sv = _block.matmul(p_ds_v.astype(vv_blk.dtype), vv_blk[:, :dim_v], "qk,kd->qd", stat)
+    a = alpha[..., None]
+    return (
+        a * acc + both[..., :dim_v],
+        a * acc_t + both[..., dim_v:] + sv,
+        alpha * acc_ds + p_ds.sum(axis=-1),
+        new_max,
+        alpha * row_sum + p.sum(axis=-1),
+    )
+
+
+def _band_step(update_fn, cfg, seed, head, arrays, q_start, has_data, carry, j, positional):
+    """`over_band` step: key block `j` against the query block at `q_start`, updating the
+    carry with `update_fn` (`_step_update` or `_given_stats_update`)."""
+    q_blk, qq_blk, k, kk, vv, dim_v = arrays
+    k_start = j * cfg.block_k
+    k_blk = _block.rows(k, k_start, cfg.block_k, 0)
+    kk_blk = _block.rows(kk, k_start, cfg.block_k, 0)
+    vv_blk = _block.rows(vv, k_start, cfg.block_k, 0)
+    mask = _block.allowed(cfg, head.masks, q_start, k_start, positional)
+    update = functools.partial(
+        update_fn, cfg, seed, head, (q_blk, qq_blk, k_blk, kk_blk, vv_blk, dim_v),
+        q_start, k_start, mask,
+    )
+    return _block.skip_if_empty(mask, has_data, update, carry)
+
+
+def _query_block(cfg, seed, head, arrays, has_data, bands, limits, _, i):
+    """Outputs `(out, lse, d_out, d_lse)` of query block `i` for one kv head."""
+    q, qq, k, kk, vv, dim_v = arrays
+    groups = qq.shape[0]
+    bq = cfg.block_q
+    stat = stat_dtype(qq.dtype)
+    q_start = i * bq
+    q_blk = _block.rows(q, q_start, bq, 1)
+    qq_blk = _block.rows(qq, q_start, bq, 1)
+    floor = jnp.asarray(jnp.finfo(stat).min, stat)
+    # `*_like(qq_blk)`: under shard_map the state must vary across devices as q does.
+    init = (
+        jnp.zeros_like(qq_blk, stat, shape=(groups, bq, dim_v)),
+        jnp.zeros_like(qq_blk, stat, shape=(groups, bq, dim_v)),
+        jnp.zeros_like(qq_blk, stat, shape=(groups, bq)),
+        jnp.full_like(qq_blk, floor, stat, shape=(groups, bq)),
+        jnp.zeros_like(qq_blk, stat, shape=(groups, bq)),
+    )
+    step = functools.partial(
+        _band_step, _step_update, cfg, seed, head, (q_blk, qq_blk, k, kk, vv, dim_v), q_start,
+        has_data,
+    )
+    acc, acc_t, acc_ds, row_max, row_sum = over_band(bands, i, step, init, limits)
+    attended = row_sum > 0
+    safe = jnp.where(attended, row_sum, 1.0)
+    out = acc / safe[..., None]
+    d_lse = acc_ds / safe
+    d_out = acc_t / safe[..., None] - d_lse[..., None] * out
+    keep = attended[..., None]
+    out = jnp.where(keep, out, 0.0)
+    d_out = jnp.where(keep, d_out, 0.0)
+    d_lse = jnp.where(attended, d_lse, 0.0)
+    lse = jnp.where(attended, row_max + jnp.log(safe), -jnp.inf)
+    return None, (out.astype(q.dtype), lse, d_out.astype(q.dtype), d_lse)
+
+
+def _head_kernel(cfg, seed, has_data, bands, head: Head, arrays):
+    q, k, v, dq, dk, dv = arrays  # (g, seq_q, d), (seq_k, d), (seq_k, dv) and tangents
+    groups, seq_q_pad = q.shape[0], q.shape[1]
+    dim_v = v.shape[-1]
+    q = _block.scaled(cfg, q)
+    qq = jnp.concatenate([q, _block.scaled(cfg, dq)], axis=-1)
+    kk = jnp.concatenate([dk, k], axis=-1)  # so that [q, dq] [dk, k]^T = q dk^T + dq k^T
+    vv = jnp.concatenate([v, dv], axis=-1)
+    limits = run_limits(cfg, head.masks, by="q")
+    block = functools.partial(
+        _query_block, cfg, seed, head, (q, qq, k, kk, vv, dim_v), has_data, bands, limits
+    )
+    num_q = seq_q_pad // cfg.block_q
+    _, results = jax.lax.scan(block, None, jnp.arange(num_q, dtype=jnp.int32))
+    # (num_q, g, bq, ...) -> (g, num_q * bq, ...)
+    return tuple(
+        jnp.moveaxis(x, 0, 1).reshape(groups, seq_q_pad, *x.shape[3:]) for x in results
+    )
+
+
+# --- the same, given the forward's statistics (what the custom_jvp rule uses) ---------------
+
+
+def _given_stats_update(cfg, seed, head, blocks, q_start, k_start, mask, carry):
+    """`_step_update` with the row's lse known: the weights come out normalised, so
+    nothing is rescaled and `out` (known too) is not accumulated."""
+    q_blk, qq_blk, k_blk, kk_blk, vv_blk, dim_v = blocks
+    acc_t, acc_ds, lse = carry
+    stat = acc_t.dtype
+    s, t = _block.logits(cfg, q_blk, k_blk, None)
+    ds = _block.matmul(qq_blk, kk_blk, "qd,kd->qk", stat)  # q dk^T + dq k^T
+    if not _block.folds_scale(qq_blk.dtype):
+        ds = ds * jnp.asarray(cfg.scale, stat)
+    if t is not None:
+        ds = ds * (1.0 - t * t)
+    if mask is not None:
+        s = jnp.where(mask, s, -jnp.inf)
+    p = jnp.exp(s - lse[..., None])
+    p_ds = p * ds
+    drop = _block.dropout_multiplier(cfg, seed, head, q_start, k_start, stat)
+    if drop is None:
+        p_v, p_ds_v = p, p_ds
+    else:
+        p_v, p_ds_v = p * drop, p_ds * drop
+    dtype = vv_blk.dtype
+    pdv = _block.matmul(p_v.astype(dtype), vv_blk[:, dim_v:], "qk,kd->qd", stat)
+    sv = _block.matmul(p_ds_v.astype(dtype), vv_blk[:, :dim_v], "qk,kd->qd", stat)
+    return acc_t + pdv + sv, acc_ds + p_ds.sum(axis=-1), lse
+
+
+def _given_stats_query_block(cfg, seed, head, arrays, has_data, bands, limits, _, xs):
+    """`(d_out, d_lse)` of one query block, given its `out` and `lse`."""
+    q, qq, k, kk, vv, dim_v = arrays
+    i, out_blk, lse_blk = xs  # (g, bq, dv), (g, bq)
+    bq = cfg.block_q
+    stat = stat_dtype(qq.dtype)
+    q_start = i * bq
+    q_blk = _block.rows(q, q_start, bq, 1)
+    qq_blk = _block.rows(qq, q_start, bq, 1)
+    attended = lse_blk > -jnp.inf
+    # Rows with no key: any finite lse gives p = 0 (all their logits are -inf).
+    lse_blk = jnp.where(attended, lse_blk, 0.0).astype(stat)
+    init = (
+        jnp.zeros_like(out_blk, stat),
+        jnp.zeros_like(lse_blk, stat),
+        lse_blk,
+    )
+    step = functools.partial(
+        _band_step, _given_stats_update, cfg, seed, head, (q_blk, qq_blk, k, kk, vv, dim_v),
+        q_start, has_data,
+    )
+    acc_t, d_lse, _ = over_band(bands, i, step, init, limits)
+    d_out = acc_t - d_lse[..., None] * out_blk.astype(stat)
+    d_out = jnp.where(attended[..., None], d_out, 0.0)
+    d_lse = jnp.where(attended, d_lse, 0.0)
+    return None, (d_out.astype(q.dtype), d_lse)
+
+
+def _given_stats_head_kernel(cfg, seed, has_data, bands, head: Head, arrays):
+    q, k, v, out, lse, dq, dk, dv = arrays
+    groups, seq_q_pad = q.shape[0], q.shape[1]
+    dim_v = v.shape[-1]
+    bq = cfg.block_q
+    num_q = seq_q_pad // bq
+    q = _block.scaled(cfg, q)
+    qq = jnp.concatenate([q, _block.scaled(cfg, dq)], axis=-1)
+    kk = jnp.concatenate([dk, k], axis=-1)
+    vv = jnp.concatenate([v, dv], axis=-1)
+    limits = run_limits(cfg, head.masks, by="q")
+    # (g, seq_q, ...) -> (num_q, g, bq, ...): one slice per query block.
+    out_blocks = jnp.moveaxis(out.reshape(groups, num_q, bq, dim_v), 1, 0)
+    lse_blocks = jnp.moveaxis(lse.reshape(groups, num_q, bq), 1, 0)
+    block = functools.partial(
+        _given_stats_query_block, cfg, seed, head, (q, qq, k, kk, vv, dim_v), has_data, bands,
+        limits,
+    )
+    xs = (jnp.arange(num_q, dtype=jnp.int32), out_blocks, lse_blocks)
+    _, results = jax.lax.scan(block, None, xs)
+    return tuple(
+        jnp.moveaxis(x, 0, 1).reshape(groups, seq_q_pad, *x.shape[3:]) for x in results
+    )
+
+
+def tangent_given_stats(
+    cfg: KernelConfig,
+    q: Array,
+    k: Array,
+    v: Array,
+    out: Array,
+    lse: Array,
+    masks: Masks,
+    seed: Array | None,
+    dq: Array,
+    dk: Array,
+    dv: Array,
+) -> tuple[Array, Array]:
+    """`(d_out, d_lse)` as `tangent` gives them, from the forward's `out` and `lse`: one
+    product fewer per block and no rescaling (the custom_jvp rule has both anyway)."""
+    bands = band_ranges(cfg.seq_q, cfg.seq_k, cfg.block_q, cfg.block_k, cfg.band_window,
+                        cfg.offset, by="q")
+    kernel = functools.partial(_given_stats_head_kernel, cfg, seed, not masks.is_empty, bands)
+    return per_head(kernel, (masks, ScoreMods()), (q, k, v, out, lse, dq, dk, dv))
+
+
+def tangent(
+    cfg: KernelConfig,
+    q: Array,
+    k: Array,
+    v: Array,
+    masks: Masks,
+    seed: Array | None,
+    dq: Array,
+    dk: Array,
+    dv: Array,
+) -> tuple[Array, Array, Array, Array]:
+    """`(out, lse, d_out, d_lse)`: the forward's outputs and their tangents for input
+    tangents `(dq, dk, dv)`, all in the internal layout and padded like `forward`'s."""
+    bands = band_ranges(cfg.seq_q, cfg.seq_k, cfg.block_q, cfg.block_k, cfg.band_window,
+                        cfg.offset, by="q")
+    kernel = functools.partial(_head_kernel, cfg, seed, not masks.is_empty, bands)
+    return per_head(kernel, (masks, ScoreMods()), (q, k, v, dq, dk, dv))
+
+
+# --- the poison for second-order terms ------------------------------------------------------
+
+
+def _unsupported(*args, dtype):
+    del args, dtype
+    raise NotImplementedError(SECOND_ORDER_MESSAGE)
+
+
+_unsupported_p = Primitive("eqx_flash_second_order_unsupported")
+_unsupported_p.def_impl(_unsupported)
+_unsupported_p.def_abstract_eval(
+    lambda *args, dtype: core.ShapedArray((), dtype)
+)
+
+
+def _unsupported_lowering(ctx, *args, dtype):
+    del ctx, args, dtype
+    raise NotImplementedError(SECOND_ORDER_MESSAGE)
+
+
+def _unsupported_transpose(ct, *args, dtype):
+    del dtype
+    if type(ct) is ad.Zero:
+        return [None] * len(args)
+    raise NotImplementedError(SECOND_ORDER_MESSAGE)
+
+
+def _unsupported_jvp(primals, tangents, *, dtype):
+    out = _unsupported_p.bind(*primals, dtype=dtype)
+    nonzero = [t for t in tangents if type(t) is not ad.Zero]
+    if not nonzero:
+        return out, ad.Zero(core.ShapedArray((), dtype))
+    return out, _unsupported_p.bind(*nonzero, dtype=dtype)
+
+
+def _unsupported_batch(args, dims, *, dtype):
+    del dims
+    return _unsupported_p.bind(*args, dtype=dtype), None
+
+
+mlir.register_lowering(_unsupported_p, _unsupported_lowering)
+ad.primitive_jvps[_unsupported_p] = _unsupported_jvp
+ad.primitive_transposes[_unsupported_p] = _unsupported_transpose
+batching.primitive_batchers[_unsupported_p] = _unsupported_batch
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _second_order_guard(dtype, *residuals):
+    """Zero, whose derivative with respect to `residuals` is `_unsupported_p`."""
+    del residuals
+    return jnp.zeros((), dtype)
+
+
+@functools.partial(_second_order_guard.defjvp, symbolic_zeros=True)
+def _second_order_guard_jvp(dtype, primals, tangents):
+    nonzero = [t for t in tangents if type(t) is not SymbolicZero]
+    zero = jnp.zeros((), dtype)
+    if not nonzero:
+        return zero, zero
+    return zero, _unsupported_p.bind(*nonzero, dtype=jnp.dtype(dtype))
+
+
+# --- the linear primitive: tangent kernel one way, backward kernel the other -------------
+#
+# What `jax.custom_derivatives.linear_call` does, plus a batching rule (linear_call has
+# none, so `jax.jacfwd`, `jax.hessian` and `vmap` of a gradient would fail) and zero
+# handling in its JVP. Operands: the residuals `(q, k, v, out, lse, masks, seed, z)`
+# flattened (`z`: the second-order guard), then the linear inputs. `transposed=False`
+# maps the non-zero tangents among `(dq, dk, dv)` (marked by `which`) to
+# `(d_out, d_lse)` with the tangent kernel; `transposed=True` maps cotangents `(d_out, d_lse)` to
+# those of the marked inputs with the
+# backward kernel. Each is the other's transpose.
+
+
+def _fill(which: tuple[bool, ...], nonzero, like) -> list[Array]:
+    """The full `(dq, dk, dv)` from the non-zero ones (`which` marks them)."""
+    it = iter(nonzero)
+    return [next(it) if w else jnp.zeros_like(x) for w, x in zip(which, like, strict=True)]
+
+
+def _linear_fn(*args, cfg: KernelConfig, which, res_tree, transposed: bool):
+    residuals = jax.tree.unflatten(res_tree, args[: res_tree.num_leaves])
+    linear = args[res_tree.num_leaves :]
+    q, k, v, out, lse, masks, seed, _ = residuals  # the last is the guard `z`
+    if transposed:
+        d_out, d_lse = linear
+        safe_lse, delta = prepare(out, lse, d_out, d_lse)
+        grads = backward(cfg, q, k, v, ScoreMods(), safe_lse, delta, d_out, masks, seed)[:3]
+        return [g for g, w in zip(grads, which, strict=True) if w]
+    dq, dk, dv = _fill(which, linear, (q, k, v))
+    return list(tangent_given_stats(cfg, q, k, v, out, lse, masks, seed, dq, dk, dv))
+
+
+_linear_p = Primitive("eqx_flash_attention_linear")
+_linear_p.multiple_results = True
+_linear_p.def_impl(_linear_fn)
+mlir.register_lowering(_linear_p, mlir.lower_fun(_linear_fn, multiple_results=True))
+
+
+def _linear_abstract_eval(*args, cfg, which, res_tree, transposed):
+    del cfg
+    q, k, v, out, lse = args[:5]  # the residuals lead with these
+    # The residuals' own avals: same shapes and dtypes, and under shard_map the same
+    # varying axes.
+    if transposed:
+        return [x for x, w in zip((q, k, v), which, strict=True) if w]
+    return [out, lse]
+
+
+_linear_p.def_abstract_eval(_linear_abstract_eval)
+
+
+def _is_zero(t) -> bool:
+    return type(t) is ad.Zero or jnp.dtype(t.dtype) == jax.dtypes.float0
+
+
+def _linear_jvp(primals, tangents, **params):
+    num_res = params["res_tree"].num_leaves
+    # The residuals pass through stop_gradient, except the last, `z`: zero, with a
+    # derivative that raises wherever it is used (see the module docstring).
+    if not all(_is_zero(t) for t in tangents[: num_res - 1]):
+        raise NotImplementedError(SECOND_ORDER_MESSAGE)
+    out = _linear_p.bind(*primals, **params)
+    lin_t = tangents[num_res:]
+    z_t = tangents[num_res - 1]
+    if all(type(t) is ad.Zero for t in lin_t):
+        if _is_zero(z_t):
+            return out, [ad.Zero(jax.typeof(x).to_tangent_aval()) for x in out]
+        out_t = [jnp.zeros_like(x) for x in out]
+    else:
+        lin_t = [ad.instantiate_zeros(t) for t in lin_t]
+        out_t = _linear_p.bind(*primals[:num_res], *lin_t, **params)
+    if not _is_zero(z_t):
+        out_t = [t + z_t.astype(t.dtype) for t in out_t]
+    return out, out_t
+
+
+def _linear_transpose(cts, *args, **params):
+    num_res = params["res_tree"].num_leaves
+    residuals, linear = args[:num_res], args[num_res:]
+    assert not any(ad.is_undefined_primal(x) for x in residuals)
+    if all(type(ct) is ad.Zero for ct in cts):
+        return [None] * len(args)
+    out_avals = _linear_abstract_eval(
+        *(jax.typeof(x) for x in residuals),
+        *(x.aval if ad.is_undefined_primal(x) else jax.typeof(x) for x in linear),
+        **params,
+    )
+    cts = [ad.zeros_like_aval(a) if type(ct) is ad.Zero else ct
+           for ct, a in zip(cts, out_avals, strict=True)]
+    flipped = dict(params, transposed=not params["transposed"])
+    lin_cts = _linear_p.bind(*residuals, *cts, **flipped)
+    # A linear operand that is a known value (an instantiated zero) gets no cotangent.
+    lin_cts = [ct if ad.is_undefined_primal(x) else None
+               for ct, x in zip(lin_cts, linear, strict=True)]
+    return [None] * num_res + lin_cts
+
+
+def _linear_batch(args, dims, **params):
+    """One call per batch element (`lax.map`), so the primitive (and its transpose into
+    the hand-written kernels) survives `vmap`."""
+    size = next(x.shape[d] for x, d in zip(args, dims, strict=True) if d is not None)
+    mapped = [d is not None for d in dims]
+    xs = [jnp.moveaxis(x, d, 0) for x, d in zip(args, dims, strict=True) if d is not None]
+
+    def one(xs_i):
+        it = iter(xs_i)
+        full = [next(it) if m else x for x, m in zip(args, mapped, strict=True)]
+        return _linear_p.bind(*full, **params)
+
+    del size
+    outs = jax.lax.map(one, xs)
+    return outs, [0] * len(outs)
+
+
+ad.primitive_jvps[_linear_p] = _linear_jvp
+ad.primitive_transposes[_linear_p] = _linear_transpose
+batching.primitive_batchers[_linear_p] = _linear_batch
+
+
+def _linear(cfg: KernelConfig, which, residuals, nonzero) -> list[Array]:
+    flat, res_tree = jax.tree.flatten(residuals)
+    return _linear_p.bind(
+        *flat, *nonzero, cfg=cfg, which=which, res_tree=res_tree, transposed=False
+    )
+
+
+# --- the wiring ---------------------------------------------------------------------------
+
+
+def with_forward_mode(attention: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap `attention(cfg, q, k, v, masks, seed) -> (out, lse)`, a `custom_vjp` function
+    on padded internal-layout arrays, so that forward mode works too (module docstring)."""
+
+    @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+    def wrapped(cfg, q, k, v, masks, seed):
+        return attention(cfg, q, k, v, masks, seed)
+
+    @functools.partial(wrapped.defjvp, symbolic_zeros=True)
+    def wrapped_jvp(cfg, primals, tangents):
+        q, k, v, masks, seed = primals
+        out, lse = wrapped(cfg, q, k, v, masks, seed)
+        which = tuple(type(t) is not SymbolicZero for t in tangents[:3])
+        nonzero = tuple(t for t, w in zip(tangents[:3], which, strict=True) if w)
+        if not nonzero:  # only masks or seed were perturbed: they get no derivative
+            return (out, lse), (jnp.zeros_like(out), jnp.zeros_like(lse))
+        residuals = jax.tree.map(jax.lax.stop_gradient, (q, k, v, out, lse, masks, seed))
+        # Exactly zero; its derivative with respect to q, k, v, out, lse raises. As the
+        # last residual it is the one that keeps its derivative (`_linear_jvp`).
+        z = _second_order_guard(lse.dtype, q, k, v, out, lse)
+        d_out, d_lse = _linear(cfg, which, (*residuals, z), nonzero)
+        return (out, lse), (d_out, d_lse)
+
+    return wrapped
+
+
+# --- reverse mode only (the ring) ---------------------------------------------------------
+#
+# A `custom_vjp` function has no forward mode, and JAX's error ("can't apply forward-mode
+# autodiff (jvp) to a custom_vjp function") does not say which function or what to do.
+# `reverse_only` wraps one in a `custom_jvp` whose tangent is `_reverse_only_p`: evaluating
+# or compiling it raises `message`, and transposing it runs the function's own backward
+# rule, so `jax.grad` is what it was.
+
+
+def _reverse_only_fail(*args, message, **params):
+    del args, params
+    raise NotImplementedError(message)
+
+
+_reverse_only_p = Primitive("eqx_flash_reverse_only")
+_reverse_only_p.multiple_results = True
+_reverse_only_p.def_impl(_reverse_only_fail)
+mlir.register_lowering(
+    _reverse_only_p, lambda ctx, *args, **params: _reverse_only_fail(**params)
+)
+
+
+def _reverse_only_abstract_eval(*args, num_in, num_out, message, bwd, res_tree, which):
+    del message, bwd, res_tree, which
+    return list(args[num_in : num_in + num_out])  # the outputs, after the residuals
+
+
+def _reverse_only_jvp(primals, tangents, *, message, **params):
+    del primals, tangents, params
+    raise NotImplementedError(message)
+
+
+def _reverse_only_transpose(cts, *args, num_in, num_out, message, bwd, res_tree, which):
+    del message
+    num_res = res_tree.num_leaves
+    residuals = jax.tree.unflatten(res_tree, args[:num_res])
+    outs = [jax.typeof(x) for x in args[num_in : num_in + len(cts)]]
+    cts = [ad.zeros_like_aval(a) if type(ct) is ad.Zero else ct
+           for ct, a in zip(cts, outs, strict=True)]
+    grads = bwd(residuals, cts)
+    chosen = [g for g, w in zip(grads, which, strict=True) if w]
+    return [None] * (num_res + num_out) + chosen
+
+
+_reverse_only_p.def_abstract_eval(_reverse_only_abstract_eval)
+ad.primitive_jvps[_reverse_only_p] = _reverse_only_jvp
+ad.primitive_transposes[_reverse_only_p] = _reverse_only_transpose
+
+
+def _unflatten_cts(bwd, static, out_tree, num_diff, residuals, cts):
+    """The cotangents of the differentiable arguments, flattened."""
+    grads = bwd(static, residuals, jax.tree.unflatten(out_tree, cts))[:num_diff]
+    return jax.tree.leaves(grads)
+
+
+def reverse_only(
+    attention: Callable[..., Any],
+    residuals: Callable[..., Any],
+    bwd: Callable[..., Any],
+    message: str,
+    num_diff: int = 3,
+) -> Callable[..., Any]:
+    """Wrap `attention(static, *args) -> (out, lse)` (a `custom_vjp` function with
+    `nondiff_argnums=(0,)`; its first `num_diff` arguments are the differentiable ones,
+    possibly pytrees) so that `jax.jvp` raises `message` and reverse mode runs
+    `bwd(static, residuals(static, args, outputs), cotangents)`, whose first `num_diff`
+    results are the cotangents of those arguments."""
+
+    @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+    def wrapped(static, *args):
+        return attention(static, *args)
+
+    @functools.partial(wrapped.defjvp, symbolic_zeros=True)
+    def wrapped_jvp(static, args, tangents):
+        outs = wrapped(static, *args)
+        tangent_leaves = jax.tree.leaves(
+            tangents[:num_diff], is_leaf=lambda t: type(t) is SymbolicZero
+        )
+        which = tuple(type(t) is not SymbolicZero for t in tangent_leaves)
+        nonzero = [t for t, w in zip(tangent_leaves, which, strict=True) if w]
+        out_leaves, out_tree = jax.tree.flatten(outs)
+        # No stop_gradient: a derivative of the gradient differentiates `bwd` itself (the
+        # transpose calls it on these residuals), as it would the custom_vjp's.
+        res_flat, res_tree = jax.tree.flatten(residuals(static, args, outs))
+        # Operands: residuals, then the outputs again (for their avals), then tangents.
+        flat = [*res_flat, *(jax.lax.stop_gradient(x) for x in out_leaves), *nonzero]
+
+        if not nonzero:
+            return outs, jax.tree.map(jnp.zeros_like, outs)
+        d_outs = _reverse_only_p.bind(
+            *flat, num_in=len(res_flat), num_out=len(out_leaves), message=message,
+            bwd=functools.partial(_unflatten_cts, bwd, static, out_tree, num_diff),
+            res_tree=res_tree, which=which,
+        )
+        return outs, jax.tree.unflatten(out_tree, d_outs)
+
+    return wrapped

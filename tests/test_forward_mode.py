@@ -1,0 +1,341 @@
+"""Forward-mode AD (`jax.jvp`, `jax.linearize`, `jax.jacfwd`) through flash attention,
+checked against forward mode through `plain_attention`; reverse mode still runs the
+hand-written backward; second-order uses raise a clear error."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+import eqx_flash
+from eqx_flash import (
+    FlashAttention,
+    FlashMultiheadAttention,
+    causal_flash_attention,
+    flash_attention,
+    plain_attention,
+)
+from eqx_flash.testing import TOLERANCES, AttentionInputs, attention_inputs, check_attention
+
+SECOND_ORDER = "second-order derivative of flash attention"
+
+
+def _inputs(seed=0, *, batch=(2,), heads=4, kv_heads=2, seq_q=37, seq_k=53, dim=8, dim_v=8,
+            dtype=jnp.float32, **kwargs) -> AttentionInputs:
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((*batch, heads, seq_q, dim), np.float32) * 1.5
+    k = rng.standard_normal((*batch, kv_heads, seq_k, dim), np.float32)
+    v = rng.standard_normal((*batch, kv_heads, seq_k, dim_v), np.float32)
+    q, k, v = (jnp.asarray(x).astype(dtype) for x in (q, k, v))
+    return AttentionInputs(q, k, v, {"block_q": 16, "block_k": 16, **kwargs})
+
+
+def _key_mask(seq_k=53):
+    return jnp.asarray(np.random.default_rng(1).random((2, seq_k)) < 0.7)
+
+
+# Few configurations, each with several options at once, keep the compile count low.
+OPTIONS = {
+    "plain_gqa": {},
+    "masks": {
+        "mask": _key_mask(),
+        "attn_mask": jnp.asarray(np.random.default_rng(2).random((37, 53)) < 0.6),
+        "q_segment_ids": jnp.asarray(np.sort(np.random.default_rng(3).integers(0, 3, (2, 37)))),
+        "kv_segment_ids": jnp.asarray(np.sort(np.random.default_rng(4).integers(0, 3, (2, 53)))),
+    },
+    "positional_softcap_scale": {"causal": True, "window": (9, 3), "softcap": 2.0,
+                                 "scale": 0.7},
+    "dropout_everything": {
+        "mask": _key_mask(), "causal": True, "window": (20, 0), "softcap": 3.0, "scale": 0.4,
+        "dropout_rate": 0.3, "key": jax.random.key(6),
+    },
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_jvp_matches_plain_attention(name):
+    check_attention(flash_attention, _inputs(**OPTIONS[name]), grads=False, jvp=True)
+
+
+def test_jvp_low_precision():
+    check_attention(flash_attention, _inputs(dtype=jnp.bfloat16, causal=True), grads=False,
+                    jvp=True)
+
+
+def test_mqa_and_no_leading_axes():
+    check_attention(flash_attention, _inputs(batch=(), heads=3, kv_heads=1), grads=False,
+                    jvp=True)
+
+
+@given(attention_inputs(dtypes=(jnp.float32,), max_seq=64, dims=(8,),
+                        batch_shapes=((), (2,)), block_sizes=(16, None)))
+@settings(max_examples=6)
+def test_jvp_property(inputs):
+    check_attention(flash_attention, inputs, grads=False, jvp=True)
+
+
+def test_checker_catches_a_wrong_tangent():
+    """`check_attention(jvp=True)` fails a function whose tangent is off (the checker can
+    fail): plain attention whose jvp is perturbed."""
+
+    @jax.custom_jvp
+    def wrong(q, k, v):
+        return plain_attention(q, k, v)
+
+    @wrong.defjvp
+    def wrong_jvp(primals, tangents):
+        out, d_out = jax.jvp(plain_attention, primals, tangents)
+        return out, (d_out[0] * 1.01, d_out[1])
+
+    with pytest.raises(AssertionError, match="d_out"):
+        check_attention(lambda q, k, v: wrong(q, k, v), _inputs(), grads=False, jvp=True)
+
+
+def test_fully_masked_rows_have_zero_finite_tangents():
+    mask = jnp.zeros((2, 4, 37, 53), bool).at[:, :, 5:].set(True)
+    inputs = _inputs(attn_mask=mask)
+    dq, dk, dv = (jnp.ones_like(x) for x in (inputs.q, inputs.k, inputs.v))
+    (out, lse), (d_out, d_lse) = jax.jvp(
+        lambda q, k, v: flash_attention(q, k, v, **inputs.kwargs),
+        (inputs.q, inputs.k, inputs.v), (dq, dk, dv),
+    )
+    assert bool(jnp.all(jnp.isneginf(lse[:, :, :5]))) and bool(jnp.all(out[:, :, :5] == 0))
+    assert bool(jnp.all(d_out[:, :, :5] == 0)) and bool(jnp.all(d_lse[:, :, :5] == 0))
+    assert bool(jnp.all(jnp.isfinite(d_out))) and bool(jnp.all(jnp.isfinite(d_lse)))
+
+
+def _plain_and_flash(**kwargs):
+    def flash(q, k, v):
+        return flash_attention(q, k, v, block_q=4, block_k=4, **kwargs)
+
+    def plain(q, k, v):
+        return plain_attention(q, k, v, **kwargs)
+
+    return flash, plain
+
+
+def test_jacfwd_and_linearize():
+    inputs = _inputs(batch=(), heads=2, kv_heads=1, seq_q=5, seq_k=7, dim=4, dim_v=3)
+    flash, plain = _plain_and_flash(causal=True, softcap=2.0)
+    args = (inputs.q, inputs.k, inputs.v)
+    tol = TOLERANCES[jnp.dtype(jnp.float32)].grad[0]
+    got = jax.jacfwd(flash, argnums=(0, 1, 2))(*args)
+    expected = jax.jacfwd(plain, argnums=(0, 1, 2))(*args)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(a, b, atol=tol * float(jnp.abs(b).max()) + 1e-6)
+    tangents = tuple(jnp.ones_like(x) for x in args)
+    (out, lse), lin = jax.linearize(flash, *args)
+    d_got = lin(*tangents)
+    _, d_expected = jax.jvp(plain, args, tangents)
+    for a, b in zip(d_got, d_expected, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-4)
+
+
+def _linear_eqns(jaxpr) -> list[bool]:
+    """The `transposed` flag of every forward-mode linear kernel call in a jaxpr."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "eqx_flash_attention_linear":
+            found.append(eqn.params["transposed"])
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found += _linear_eqns(sub)
+    return found
+
+
+@pytest.mark.parametrize("argnums", [(1,), (0, 2), (0, 1, 2)])
+def test_grad_uses_the_backward_kernel(argnums):
+    """Reverse mode transposes the linear call into the hand-written backward kernel (never
+    an autodiff transpose of the tangent kernel), for any subset of q, k, v."""
+    inputs = _inputs(causal=True)
+    flash, plain = _plain_and_flash(causal=True)
+
+    def loss(fn):
+        def f(q, k, v):
+            out, lse = fn(q, k, v)
+            return jnp.sum(out**2) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
+        return jax.grad(f, argnums=argnums)
+
+    args = (inputs.q, inputs.k, inputs.v)
+    calls = _linear_eqns(jax.make_jaxpr(loss(flash))(*args).jaxpr)
+    assert calls == [True], calls  # one backward-kernel call, no tangent kernel
+    for a, b in zip(loss(flash)(*args), loss(plain)(*args), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-4 * float(jnp.abs(b).max()))
+
+
+def test_vmap_and_checkpoint_compose():
+    inputs = _inputs(batch=(), causal=True)
+    flash, plain = _plain_and_flash(causal=True)
+    qs = jnp.stack([inputs.q, 2 * inputs.q])
+    tangents = jnp.ones_like(qs)
+
+    def jvp_out(fn):
+        return jax.vmap(lambda q, t: jax.jvp(lambda q: fn(q, inputs.k, inputs.v)[0],
+                                             (q,), (t,))[1])(qs, tangents)
+
+    np.testing.assert_allclose(jvp_out(jax.checkpoint(flash)), jvp_out(plain), atol=1e-4)
+
+    def grad_vmapped(fn):
+        return jax.grad(lambda qs: jnp.sum(jax.vmap(lambda q: fn(q, inputs.k, inputs.v)[0])(
+            qs) ** 2))(qs)
+
+    np.testing.assert_allclose(grad_vmapped(jax.checkpoint(flash)), grad_vmapped(plain),
+                               atol=1e-4 * float(jnp.abs(grad_vmapped(plain)).max()))
+
+
+def test_module_entry_points():
+    inputs = _inputs(batch=(), heads=2, kv_heads=2, seq_q=30, seq_k=30)
+    x = inputs.q.transpose(1, 0, 2).reshape(30, 16)
+    t = jnp.cos(x)
+    flash = FlashMultiheadAttention(4, 16, causal=True, key=jax.random.key(0))
+    # FlashMultiheadAttention(causal=True) is eqx.nn.MultiheadAttention with a causal mask.
+    mha = eqx.nn.MultiheadAttention(4, 16, key=jax.random.key(0))
+    causal = jnp.tril(jnp.ones((30, 30), bool))
+    got = jax.jvp(lambda x: flash(x, x, x), (x,), (t,))
+    expected = jax.jvp(lambda x: mha(x, x, x, causal), (x,), (t,))
+    for a, b in zip(got, expected, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-4)
+
+    attention = FlashAttention(causal=True)
+    q, k, v = inputs.q, inputs.k, inputs.v
+    tangents = (jnp.ones_like(q), jnp.ones_like(k), jnp.ones_like(v))
+    got = jax.jvp(lambda q, k, v: attention(q, k, v), (q, k, v), tangents)[1]
+    expected = jax.jvp(lambda q, k, v: causal_flash_attention(q, k, v)[0], (q, k, v),
+                       tangents)[1]
+    reference = jax.jvp(lambda q, k, v: plain_attention(q, k, v, causal=True)[0], (q, k, v),
+                        tangents)[1]
+    np.testing.assert_allclose(got, expected, atol=1e-6)
+    np.testing.assert_allclose(got, reference, atol=1e-4)
+
+
+class _Net(eqx.Module):
+    """A small consistency-style network: x -> x + attention(x * t)."""
+
+    attention: eqx.Module
+    proj: eqx.nn.Linear
+
+    def __call__(self, x, t):
+        h = jax.vmap(self.proj)(x) * t
+        return x + self.attention(h, h, h)
+
+
+def _scm_loss(net, x, t, v):
+    """sCM/MeanFlow pattern: grad of a loss on the jvp's primal, target built from the
+    tangent under stop_gradient."""
+    u, du = jax.jvp(net, (x, t), (v, jnp.ones_like(t)))
+    target = jax.lax.stop_gradient(u - 0.5 * du)
+    return jnp.mean((u - target) ** 2) + jnp.mean(u**2)
+
+
+def test_scm_pattern_gradient_matches_plain():
+    key = jax.random.key(0)
+    k1, k2, k3 = jax.random.split(key, 3)
+    mha = eqx.nn.MultiheadAttention(4, 16, key=k1)
+    proj = eqx.nn.Linear(16, 16, key=k2)
+    flash_net = _Net(FlashMultiheadAttention.from_eqx(mha, block_q=8, block_k=8), proj)
+    plain_net = _Net(mha, proj)
+    x = jax.random.normal(k3, (24, 16))
+    v, t = jnp.sin(x), jnp.asarray(0.7)
+
+    def grads(net):
+        return eqx.filter_jit(eqx.filter_grad(_scm_loss))(net, x, t, v)
+
+    got, expected = grads(flash_net), grads(plain_net)
+    np.testing.assert_allclose(got.proj.weight, expected.proj.weight, atol=1e-4)
+    np.testing.assert_allclose(got.attention.query_proj.weight,
+                               expected.attention.query_proj.weight, atol=1e-4)
+
+
+def test_loss_on_the_tangent_raises_clearly():
+    """A gradient through the jvp tangent needs a second-order term the kernels do not
+    compute: an error, never a silently wrong gradient."""
+    inputs = _inputs(causal=True)
+    flash, _ = _plain_and_flash(causal=True)
+
+    def loss(q):
+        _, (d_out, _) = jax.jvp(lambda q: flash(q, inputs.k, inputs.v), (q,), (q,))
+        return jnp.sum(d_out**2)
+
+    with pytest.raises(NotImplementedError, match=SECOND_ORDER):
+        jax.grad(loss)(inputs.q)
+    with pytest.raises(NotImplementedError, match=SECOND_ORDER):
+        jax.jit(jax.grad(loss))(inputs.q)
+
+    # ...but differentiating the tangent along another tangent direction is linear: fine.
+    def tangent_of(fn, d):
+        return jax.jvp(lambda q: fn(q, inputs.k, inputs.v)[0], (inputs.q,), (d,))[1]
+
+    d = jnp.ones_like(inputs.q)
+    flash_fn, plain_fn = _plain_and_flash(causal=True)
+    got = jax.jvp(lambda d: tangent_of(flash_fn, d), (d,), (inputs.q,))[1]
+    expected = jax.jvp(lambda d: tangent_of(plain_fn, d), (d,), (inputs.q,))[1]
+    np.testing.assert_allclose(got, expected, atol=1e-4)
+
+
+@pytest.mark.parametrize("how", ["hessian", "grad_of_grad", "jvp_of_jvp"])
+def test_second_order_raises_clearly(how):
+    inputs = _inputs(batch=(), heads=1, kv_heads=1, seq_q=3, seq_k=4, dim=2, dim_v=2)
+    k, v = inputs.k, inputs.v
+
+    def f(q):
+        return jnp.sum(flash_attention(q, k, v, block_q=2, block_k=2)[0] ** 2)
+
+    q = inputs.q
+    with pytest.raises(NotImplementedError, match=SECOND_ORDER):
+        if how == "hessian":
+            jax.hessian(f)(q)
+        elif how == "grad_of_grad":
+            jax.grad(lambda q: jnp.sum(jax.grad(f)(q) ** 2))(q)
+        else:
+            jax.jvp(lambda q: jax.jvp(f, (q,), (q,))[1], (q,), (q,))
+
+
+def test_ring_forward_mode_raises_clearly():
+    from jax.sharding import Mesh
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("seq",))
+    inputs = _inputs(batch=(), heads=2, kv_heads=2, seq_q=32, seq_k=32)
+
+    def f(q):
+        return eqx_flash.sharded_flash_attention(q, inputs.k, inputs.v, mesh=mesh,
+                                                 seq_axis="seq", causal=True)[0]
+
+    with pytest.raises(NotImplementedError, match="forward-mode.*ring"):
+        jax.jvp(f, (inputs.q,), (inputs.q,))
+    # Reverse mode on the ring is unchanged.
+    grad = jax.grad(lambda q: jnp.sum(f(q) ** 2))(inputs.q)
+    expected = jax.grad(lambda q: jnp.sum(flash_attention(q, inputs.k, inputs.v,
+                                                          causal=True)[0] ** 2))(inputs.q)
+    np.testing.assert_allclose(grad, expected, atol=1e-4)
+
+
+@pytest.mark.parametrize("window", [(None, None), (10, 0)])
+def test_one_pass_kernel_agrees(window):
+    """The one-pass online kernel `tangent` (out, lse and their tangents from scratch)
+    equals the forward kernel and the kernel the jvp rule uses (given out and lse)."""
+    from eqx_flash._config import KernelConfig, Window
+    from eqx_flash._forward import forward
+    from eqx_flash._masking import Masks
+    from eqx_flash._scores import ScoreMods
+    from eqx_flash._tangent import tangent, tangent_given_stats
+
+    cfg = KernelConfig(seq_q=30, seq_k=45, block_q=16, block_k=16, window=Window(*window),
+                       scale=0.4, softcap=3.0)
+    rng = np.random.default_rng(0)
+
+    def x(*shape):
+        return jnp.asarray(rng.standard_normal(shape, np.float32))
+
+    q, k, v = x(1, 2, 2, 32, 8), x(1, 2, 48, 8), x(1, 2, 48, 4)
+    dq, dk, dv = x(1, 2, 2, 32, 8), x(1, 2, 48, 8), x(1, 2, 48, 4)
+    masks = Masks(key_mask=jnp.asarray(rng.random((1, 1, 1, 1, 48)) < 0.8))
+    out, lse, d_out, d_lse = tangent(cfg, q, k, v, masks, None, dq, dk, dv)
+    f_out, f_lse = forward(cfg, q, k, v, ScoreMods(), masks, None)
+    g_out, g_lse = tangent_given_stats(cfg, q, k, v, f_out, f_lse, masks, None, dq, dk, dv)
+    rows = slice(0, 30)
+    np.testing.assert_allclose(out[..., rows, :], f_out[..., rows, :], atol=1e-6)
+    np.testing.assert_allclose(lse[..., rows], f_lse[..., rows], atol=1e-6)
+    np.testing.assert_allclose(d_out[..., rows, :], g_out[..., rows, :], atol=1e-5)
+    np.testing.assert_allclose(d_lse[..., rows], g_lse[..., rows], atol=1e-5)

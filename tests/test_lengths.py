@@ -1,0 +1,245 @@
+"""Variable lengths (`q_lengths`, `kv_lengths`) and the flash-decoding path: values and
+gradients against `plain_attention` and against attention on the unpadded slices, work
+that follows the lengths, NaN-safe padding, errors, and `jit`/`vmap`."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_close, assert_lse_close, outputs_and_grads
+
+from eqx_flash import causal_flash_attention, flash_attention, plain_attention
+
+B, H, KV, D = 3, 4, 2, 8
+
+
+def _qkv(seq_q, seq_k, seed=0, heads=H, kv_heads=KV):
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    return (jax.random.normal(kq, (B, heads, seq_q, D)),
+            jax.random.normal(kk, (B, kv_heads, seq_k, D)),
+            jax.random.normal(kv, (B, kv_heads, seq_k, D)))
+
+
+OPTIONS = [{}, {"causal": True}, {"window": (5, 3)}, {"causal": True, "window": 6}]
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=str)
+@pytest.mark.parametrize("seq_q,seq_k,blocks", [(40, 70, (16, 16)), (70, 40, (16, 32))])
+def test_lengths_against_reference(options, seq_q, seq_k, blocks):
+    q, k, v = _qkv(seq_q, seq_k)
+    lengths = {"q_lengths": jnp.array([seq_q, seq_q // 2 + 1, 0]),
+               "kv_lengths": jnp.array([seq_k, seq_k // 3, 5])}
+    kw = {**options, **lengths}
+    (out, lse), grads = outputs_and_grads(
+        flash_attention, q, k, v, jax.random.key(9), block_q=blocks[0], block_k=blocks[1], **kw
+    )
+    (ref_out, ref_lse), ref_grads = outputs_and_grads(plain_attention, q, k, v,
+                                                      jax.random.key(9), **kw)
+    assert_close(out, ref_out, name="out")
+    assert_lse_close(lse, ref_lse)
+    for g, r, name in zip(grads, ref_grads, "qkv", strict=True):
+        assert_close(g, r, scale=5, name=f"d{name}")
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=str)
+def test_lengths_equal_unpadded_slices(options):
+    """Each batch element equals attention on its valid slice, with causal/window aligned
+    bottom-right on the valid lengths; padded query rows give 0, -inf and zero grads."""
+    q, k, v = _qkv(24, 50)
+    q_len, kv_len = [24, 9, 3], [50, 20, 17]
+    fn = jax.jit(lambda q, k, v: flash_attention(
+        q, k, v, q_lengths=jnp.array(q_len), kv_lengths=jnp.array(kv_len), block_q=8,
+        block_k=8, **options))
+    out, lse = fn(q, k, v)
+    dq, dk, dv = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a)[0] ** 2), argnums=(0, 1, 2)))(
+        q, k, v)
+
+    @jax.jit  # one compilation per slice instead of one per eager op
+    def reference(*sub):
+        refs = jax.grad(lambda *a: jnp.sum(plain_attention(*a, **options)[0] ** 2),
+                        argnums=(0, 1, 2))(*sub)
+        return plain_attention(*sub, **options), refs
+
+    for b in range(B):
+        lq, lk = q_len[b], kv_len[b]
+        sub = (q[b, :, :lq], k[b, :, :lk], v[b, :, :lk])
+        (ref_out, ref_lse), refs = reference(*sub)
+        assert_close(out[b, :, :lq], ref_out)
+        assert_lse_close(lse[b, :, :lq], ref_lse)
+        for g, r in zip((dq[b, :, :lq], dk[b, :, :lk], dv[b, :, :lk]), refs, strict=True):
+            assert_close(g, r, scale=5)
+        assert np.all(np.asarray(out[b, :, lq:]) == 0)
+        assert np.all(np.isneginf(np.asarray(lse[b, :, lq:])))
+        assert np.all(np.asarray(dq[b, :, lq:]) == 0)
+        assert np.all(np.asarray(dk[b, :, lk:]) == 0)
+        assert np.all(np.asarray(dv[b, :, lk:]) == 0)
+
+
+@pytest.mark.parametrize("fn", [flash_attention, plain_attention])
+@pytest.mark.parametrize("seq_q", [1, 20])
+def test_nan_padding_reaches_nothing(fn, seq_q):
+    """NaN/inf past the lengths, or in keys hidden by the key mask, change no output and
+    no gradient (an uninitialised cache)."""
+    q, k, v = _qkv(seq_q, 48, seed=3)
+    q_len = jnp.array([seq_q, max(seq_q // 2, 1), 1])
+    kv_len = jnp.array([48, 30, 7])
+    key_mask = jnp.ones((B, 48), bool).at[:, 2].set(False)
+    q_pos = jnp.arange(seq_q)[None, None, :, None]
+    k_pos = jnp.arange(48)[None, None, :, None]
+    q_pad = q_pos >= q_len[:, None, None, None]
+    k_pad = (k_pos >= kv_len[:, None, None, None]) | (k_pos == 2)
+    poisoned = (jnp.where(q_pad, jnp.nan, q), jnp.where(k_pad, jnp.inf, k),
+                jnp.where(k_pad, jnp.nan, v))
+    kw = {"q_lengths": q_len, "kv_lengths": kv_len, "causal": True}
+    if fn is flash_attention:
+        kw.update(block_q=8, block_k=16)
+
+    def loss(q, k, v):
+        out, lse = fn(q, k, v, key_mask, **kw)
+        return jnp.sum(out * out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
+    clean = jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
+    dirty = jax.value_and_grad(loss, argnums=(0, 1, 2))(*poisoned)
+    for c, d in zip(jax.tree.leaves(clean), jax.tree.leaves(dirty), strict=True):
+        assert np.all(np.isfinite(np.asarray(d)))
+        np.testing.assert_allclose(np.asarray(d), np.asarray(c), rtol=1e-6, atol=1e-6)
+
+
+def test_lengths_broadcast_jit_vmap():
+    q, k, v = _qkv(10, 30)
+    kv_len = jnp.array([30, 12, 4])
+    ref = plain_attention(q, k, v, kv_lengths=kv_len, causal=True)[0]
+    jitted = jax.jit(lambda q, k, v, n: causal_flash_attention(q, k, v, kv_lengths=n))
+    assert_close(jitted(q, k, v, kv_len)[0], ref)
+    mapped = jax.vmap(lambda q, k, v, n: causal_flash_attention(q, k, v, kv_lengths=n))
+    assert_close(mapped(q, k, v, kv_len)[0], ref)
+    # leading axes may be 1 or missing: one length for the whole batch
+    one = flash_attention(q, k, v, kv_lengths=jnp.array(12))[0]
+    assert_close(one, plain_attention(q, k, v, kv_lengths=jnp.full((B,), 12))[0])
+    q4 = q.reshape(1, B, H, 10, D)
+    k4, v4 = k.reshape(1, B, KV, 30, D), v.reshape(1, B, KV, 30, D)
+    out4 = flash_attention(q4, k4, v4, kv_lengths=kv_len[None], causal=True)[0]
+    assert_close(out4.reshape(ref.shape), ref)
+
+
+@pytest.mark.parametrize("fn", [flash_attention, plain_attention])
+def test_length_errors_name_the_argument(fn):
+    q, k, v = _qkv(10, 30)
+    with pytest.raises(TypeError, match="kv_lengths must have an integer dtype"):
+        fn(q, k, v, kv_lengths=jnp.array([1.0, 2.0, 3.0]))
+    with pytest.raises(ValueError, match=r"q_lengths must have shape \(\*batch,\)"):
+        fn(q, k, v, q_lengths=jnp.array([1, 2]))
+    with pytest.raises(ValueError, match=r"q_lengths must have shape"):
+        fn(q, k, v, q_lengths=jnp.ones((B, H), jnp.int32))
+    with pytest.raises(ValueError, match=r"kv_lengths must lie in \[0, 30\]"):
+        fn(q, k, v, kv_lengths=jnp.array([1, 31, 3]))
+    with pytest.raises(ValueError, match=r"q_lengths must lie in \[0, 10\]"):
+        fn(q, k, v, q_lengths=jnp.array([-1, 2, 3]))
+    jitted = jax.jit(lambda n: fn(q, k, v, kv_lengths=n)[0])
+    with pytest.raises(Exception, match=r"kv_lengths must lie in \[0, 30\]"):
+        jax.block_until_ready(jitted(jnp.array([1, 40, 3])))
+    assert eqx.is_array(jitted(jnp.array([1, 30, 3])))
+
+
+def test_length_limits_follow_lengths():
+    """Key blocks wholly past a batch element's kv length (and query blocks past its q
+    length) are never visited: the block pairs visited grow with the valid lengths."""
+    from eqx_flash._config import KernelConfig
+    from eqx_flash._masking import Masks
+    from eqx_flash._options import Window
+    from eqx_flash._schedule import length_limits, run_limits
+
+    seq, block = 256, 16
+    for q_len, kv_len, window in ((64, 64, Window()), (256, 100, Window()),
+                                  (64, 64, Window(None, 0)), (64, 200, Window(None, 0)),
+                                  (0, 100, Window()), (40, 0, Window()),
+                                  (64, 64, Window(20, 0))):
+        masks = Masks(q_lengths=jnp.full((1, 1, 1), q_len, jnp.int32),
+                      kv_lengths=jnp.full((1, 1, 1), kv_len, jnp.int32))
+        cfg = KernelConfig(seq_q=seq, seq_k=seq, block_q=block, block_k=block, window=window,
+                           scale=1.0, lengths=True)
+        # brute force: the block pairs holding at least one attending pair
+        i = np.arange(seq)[:, None]
+        j = np.arange(seq)[None, :]
+        p = i + kv_len - q_len
+        ok = (i < q_len) & (j < kv_len)
+        if window.left is not None:
+            ok &= j >= p - window.left
+        if window.right is not None:
+            ok &= j <= p + window.right
+        pairs = ok.reshape(seq // block, block, seq // block, block).any(axis=(1, 3))
+        for by, need in (("q", pairs), ("k", pairs.T)):
+            limits = length_limits(cfg, masks, by=by)
+            assert limits is not None
+            lo, hi = (np.asarray(x) for x in limits)
+            visited = (np.arange(need.shape[1]) >= lo[:, None]) & (
+                np.arange(need.shape[1]) < hi[:, None])
+            np.testing.assert_array_equal(visited, need, err_msg=f"{q_len=} {kv_len=} {by=}")
+            assert run_limits(cfg, masks, by) is not None
+    # padded to 4x its length, an element visits a sixteenth of the block pairs
+    masks = Masks(q_lengths=jnp.full((1, 1, 1), 64, jnp.int32),
+                  kv_lengths=jnp.full((1, 1, 1), 64, jnp.int32))
+    cfg = KernelConfig(seq_q=seq, seq_k=seq, block_q=block, block_k=block, window=Window(),
+                       scale=1.0, lengths=True)
+    lo, hi = (np.asarray(x) for x in length_limits(cfg, masks, by="q"))
+    assert np.sum(hi - lo) == 4 * 4  # not 16 x 16
+
+
+# Each option set with one query count, cycling through 1, 3 and 16 queries (compiling the
+# full cross product costs minutes for no extra path).
+@pytest.mark.parametrize(("seq_q", "options"), [
+    (1, {}), (3, {"causal": True}), (16, {"causal": True, "key_mask": True}),
+    (1, {"window": (40, 0)}), (3, {"lengths": True}), (16, {"lengths": True}),
+    (1, {"causal": True, "lengths": True, "key_mask": True}),
+    (16, {"causal": True, "lengths": True, "key_mask": True}),
+], ids=str)
+def test_decode_path_matches_reference(seq_q, options):
+    options = dict(options)
+    q, k, v = _qkv(seq_q, 300, seed=5, heads=8, kv_heads=2)
+    kw: dict = {k_: v_ for k_, v_ in options.items() if k_ in ("causal", "window")}
+    args = [q, k, v]
+    if options.get("key_mask"):
+        args.append(jax.random.bernoulli(jax.random.key(1), 0.8, (B, 300)))
+    if options.get("lengths"):
+        kw["kv_lengths"] = jnp.array([300, 130, 3])
+        kw["q_lengths"] = jnp.array([seq_q, seq_q, 1])
+    (out, lse), grads = outputs_and_grads(flash_attention, *args[:3], jax.random.key(2),
+                                          block_k=32, **kw) if len(args) == 3 else \
+        outputs_and_grads(lambda q, k, v, **a: flash_attention(q, k, v, args[3], **a),
+                          *args[:3], jax.random.key(2), block_k=32, **kw)
+    ref_fn = plain_attention if len(args) == 3 else (
+        lambda q, k, v, **a: plain_attention(q, k, v, args[3], **a))
+    (r_out, r_lse), r_grads = outputs_and_grads(ref_fn, *args[:3], jax.random.key(2), **kw)
+    assert_close(out, r_out)
+    assert_lse_close(lse, r_lse)
+    for g, r in zip(grads, r_grads, strict=True):
+        assert_close(g, r, scale=5)
+
+
+def test_decode_path_is_taken(monkeypatch):
+    """Few queries against many key blocks run `_decode.decode_forward` (split-K), others
+    the regular forward."""
+    import eqx_flash._flash as flash_module
+    from eqx_flash._config import DECODE_MAX_Q, KernelConfig, decode_splits
+    from eqx_flash._options import Window
+
+    calls = []
+    original = flash_module.decode_forward
+
+    def spy(cfg, *args):
+        calls.append(cfg)
+        return original(cfg, *args)
+
+    monkeypatch.setattr(flash_module, "decode_forward", spy)
+    jax.clear_caches()
+    for seq_q in (1, 3, 16):
+        q, k, v = _qkv(seq_q, 3 * 64 + 5, seed=seq_q)
+        flash_attention(q, k, v, block_k=64)
+    assert [c.seq_q for c in calls] == [1, 3, 16]
+    assert all(c.splits == 4 for c in calls)
+    q, k, v = _qkv(DECODE_MAX_Q + 1, 3 * 64 + 5)
+    flash_attention(q, k, v, block_k=64)
+    assert len(calls) == 3
+    cfg = KernelConfig(seq_q=1, seq_k=64, block_q=1, block_k=64, window=Window(), scale=1.0)
+    assert decode_splits(cfg) == 1  # a single key block: nothing to split

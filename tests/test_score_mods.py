@@ -1,0 +1,210 @@
+"""Additive score terms: `bias` and `alibi_slopes`, values and gradients (including the
+bias's and the slopes' own), against `plain_attention` and `jax.nn.dot_product_attention`."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+from eqx_flash import causal_flash_attention, flash_attention, plain_attention
+from eqx_flash.testing import TOLERANCES, attention_inputs, check_attention
+
+B, H, KH, SQ, SK, D = 2, 4, 2, 40, 56, 16
+BLOCKS = dict(block_q=16, block_k=24)  # several blocks, neither length a multiple
+
+
+def _normal(seed, shape, dtype=jnp.float32):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
+
+
+def _qkv(heads=H, kv_heads=KH, seq_q=SQ, seq_k=SK):
+    return (_normal(0, (B, heads, seq_q, D)), _normal(1, (B, kv_heads, seq_k, D)),
+            _normal(2, (B, kv_heads, seq_k, D)))
+
+
+def _values_and_grads(fn, q, k, v, bias, slopes, **kwargs):
+    """out, lse and the gradients w.r.t. q, k, v, bias, slopes of a fixed random linear
+    function of out and the finite lse; one compiled program."""
+    w_out = _normal(3, (*q.shape[:-1], v.shape[-1]))
+    w_lse = _normal(4, q.shape[:-1])
+
+    def loss(q, k, v, bias, slopes):
+        out, lse = fn(q, k, v, bias=bias, alibi_slopes=slopes, **kwargs)
+        finite = jnp.where(jnp.isfinite(lse), lse, 0.0)
+        total = jnp.sum(out.astype(jnp.float32) * w_out) + jnp.sum(finite * w_lse)
+        return total, (out, lse)
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))
+    grads, outputs = grad(q, k, v, bias, slopes)
+    return outputs, grads
+
+
+def _assert_grads_close(got, expected, rtol=1e-4, atol=1e-4):
+    for name, g, e in zip(("dq", "dk", "dv", "dbias", "dslopes"), got, expected, strict=True):
+        if e is None:
+            assert g is None
+            continue
+        assert g.shape == e.shape and g.dtype == e.dtype, name
+        scale = max(float(jnp.max(jnp.abs(e.astype(jnp.float32)))), 1.0)
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(e, np.float32),
+                                   rtol=rtol, atol=atol * scale, err_msg=name)
+
+
+BIAS_SHAPES = [
+    (B, H, SQ, SK),  # full
+    (H, SQ, SK),  # shared over batch
+    (SQ, SK),  # shared over batch and heads
+    (1, 1, SK),  # a key bias
+    (B, 1, SQ, 1),  # a per-query bias
+    (B, H, 1, 1),  # one number per head
+]
+
+
+@pytest.mark.parametrize("bias_shape", BIAS_SHAPES, ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+def test_bias_matches_reference(bias_shape, causal):
+    q, k, v = _qkv()
+    bias = _normal(5, bias_shape)
+    slopes = None
+    got = _values_and_grads(
+        lambda *a, **kw: flash_attention(*a, **BLOCKS, **kw), q, k, v, bias, slopes,
+        causal=causal,
+    )
+    expected = _values_and_grads(plain_attention, q, k, v, bias, slopes, causal=causal)
+    tol = TOLERANCES[jnp.dtype(jnp.float32)]
+    np.testing.assert_allclose(got[0][0], expected[0][0], atol=tol.out[0], rtol=tol.out[1])
+    np.testing.assert_allclose(got[0][1], expected[0][1], atol=tol.lse[0], rtol=tol.lse[1])
+    _assert_grads_close(got[1], expected[1])
+
+
+@pytest.mark.parametrize("slopes_shape", [(H,), (B, H), (1, H)], ids=str)
+def test_alibi_matches_reference(slopes_shape):
+    q, k, v = _qkv()
+    slopes = jnp.abs(_normal(6, slopes_shape)) * 0.3
+    got = _values_and_grads(lambda *a, **kw: flash_attention(*a, **BLOCKS, **kw),
+                            q, k, v, None, slopes, window=(20, 5))
+    expected = _values_and_grads(plain_attention, q, k, v, None, slopes, window=(20, 5))
+    np.testing.assert_allclose(got[0][0], expected[0][0], atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(got[0][1], expected[0][1], atol=2e-5, rtol=2e-5)
+    _assert_grads_close(got[1], expected[1])
+
+
+def test_alibi_definition():
+    """`-slope * |i + seq_k - seq_q - j|`, FlashAttention-2's definition, equals the same
+    bias written out."""
+    q, k, v = _qkv()
+    slopes = jnp.asarray([0.5, 0.25, 0.125, 0.0625])
+    i = jnp.arange(SQ)[:, None]
+    j = jnp.arange(SK)[None, :]
+    bias = -slopes[:, None, None] * jnp.abs(i + SK - SQ - j).astype(jnp.float32)[None]
+    out, lse = flash_attention(q, k, v, alibi_slopes=slopes, causal=True, **BLOCKS)
+    ref_out, ref_lse = flash_attention(q, k, v, bias=bias, causal=True, **BLOCKS)
+    np.testing.assert_allclose(out, ref_out, atol=2e-6)
+    np.testing.assert_allclose(lse, ref_lse, atol=2e-6)
+
+
+def test_bias_with_everything():
+    """Bias and ALiBi with GQA, a key mask, segment ids, a window, softcap and dropout."""
+    q, k, v = _qkv()
+    bias = _normal(7, (H, SQ, SK))
+    slopes = jnp.asarray([0.3, 0.2, 0.1, 0.05])
+    kwargs = dict(
+        mask=jnp.asarray(np.random.default_rng(8).random((B, SK)) < 0.8),
+        q_segment_ids=jnp.asarray(np.sort(np.random.default_rng(9).integers(0, 2, (B, SQ)))),
+        kv_segment_ids=jnp.asarray(np.sort(np.random.default_rng(10).integers(0, 2, (B, SK)))),
+        window=(30, 10), softcap=5.0, dropout_rate=0.2, key=jax.random.key(3),
+    )
+    got = _values_and_grads(lambda *a, **kw: flash_attention(*a, **BLOCKS, **kw),
+                            q, k, v, bias, slopes, **kwargs)
+    expected = _values_and_grads(plain_attention, q, k, v, bias, slopes, **kwargs)
+    np.testing.assert_allclose(got[0][0], expected[0][0], atol=3e-5, rtol=3e-5)
+    np.testing.assert_array_equal(np.isneginf(got[0][1]), np.isneginf(expected[0][1]))
+    _assert_grads_close(got[1], expected[1])
+
+
+def test_against_jax_nn():
+    """`jax.nn.dot_product_attention(bias=...)` (BTNH layout, MHA) agrees, with gradients
+    of the bias."""
+    q, k, v = _qkv(heads=H, kv_heads=H, seq_q=SK)
+    bias = _normal(11, (1, H, SK, SK))
+
+    def ours(q, k, v, bias):
+        return jnp.sum(jnp.sin(flash_attention(q, k, v, bias=bias, causal=True, **BLOCKS)[0]))
+
+    def theirs(q, k, v, bias):
+        q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))  # BTNH
+        out = jax.nn.dot_product_attention(q, k, v, bias=bias, is_causal=True)
+        return jnp.sum(jnp.sin(jnp.swapaxes(out, 1, 2)))
+
+    got = jax.jit(jax.value_and_grad(ours, argnums=(0, 1, 2, 3)))(q, k, v, bias)
+    expected = jax.jit(jax.value_and_grad(theirs, argnums=(0, 1, 2, 3)))(q, k, v, bias)
+    np.testing.assert_allclose(got[0], expected[0], rtol=1e-5)
+    for g, e in zip(got[1], expected[1], strict=True):
+        np.testing.assert_allclose(g, e, atol=2e-5 * max(float(jnp.abs(e).max()), 1.0))
+
+
+@pytest.mark.parametrize("bias_dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_bias_dtype_kept(bias_dtype):
+    """The bias may have any float dtype; its cotangent comes back in that dtype."""
+    q, k, v = _qkv()
+    bias = _normal(12, (SQ, SK), bias_dtype)
+    grad = jax.grad(lambda b: flash_attention(q, k, v, bias=b, **BLOCKS)[0].sum())(bias)
+    ref = jax.grad(lambda b: plain_attention(q, k, v, bias=b)[0].sum())(bias)
+    assert grad.dtype == bias_dtype and grad.shape == bias.shape
+    np.testing.assert_allclose(np.asarray(grad, np.float32), np.asarray(ref, np.float32),
+                               atol=2e-2, rtol=2e-2)
+
+
+def test_minus_inf_bias_empties_rows():
+    """A bias of -inf over a whole row behaves as a mask: out 0, lse -inf, finite zero
+    gradients."""
+    q, k, v = _qkv()
+    bias = jnp.zeros((SQ, SK)).at[3].set(-jnp.inf)
+    out, lse = flash_attention(q, k, v, bias=bias, **BLOCKS)
+    assert np.all(np.asarray(out[:, :, 3]) == 0) and np.all(np.isneginf(lse[:, :, 3]))
+    grads = jax.grad(lambda q, k, v: flash_attention(q, k, v, bias=bias, **BLOCKS)[0].sum(),
+                     argnums=(0, 1, 2))(q, k, v)
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in grads)
+    assert np.all(np.asarray(grads[0][:, :, 3]) == 0)
+
+
+def test_causal_flash_attention_and_transforms():
+    q, k, v = _qkv()
+    bias = _normal(13, (B, H, SQ, SK))
+    slopes = jnp.asarray([0.3, 0.2, 0.1, 0.05])
+    out, _ = causal_flash_attention(q, k, v, bias=bias, alibi_slopes=slopes, **BLOCKS)
+    ref, _ = plain_attention(q, k, v, bias=bias, alibi_slopes=slopes, causal=True)
+    np.testing.assert_allclose(out, ref, atol=2e-5)
+    # vmap over the batch, mapping the bias with it, equals the batched call
+    mapped = jax.vmap(
+        lambda q, k, v, b: causal_flash_attention(q, k, v, bias=b, alibi_slopes=slopes,
+                                                  **BLOCKS)[0]
+    )(q, k, v, bias)
+    np.testing.assert_allclose(mapped, out, atol=2e-6)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(bias=jnp.zeros((SQ + 1, SK))), "bias"),
+        (dict(bias=jnp.zeros((3, SQ, SK))), "bias"),
+        (dict(bias=jnp.zeros((SQ, SK), jnp.int32)), "bias"),
+        (dict(alibi_slopes=jnp.zeros((H + 1,))), "alibi_slopes"),
+        (dict(alibi_slopes=jnp.zeros((3, H))), "alibi_slopes"),
+        (dict(alibi_slopes=jnp.zeros((H,), jnp.int32)), "alibi_slopes"),
+    ],
+)
+@pytest.mark.parametrize("fn", [flash_attention, plain_attention])
+def test_errors_name_the_argument(kwargs, match, fn):
+    q, k, v = _qkv()
+    with pytest.raises((TypeError, ValueError), match=match):
+        fn(q, k, v, **kwargs)
+
+
+@settings(max_examples=10)
+@given(inputs=attention_inputs(bias=None, alibi=None, dtypes=(jnp.float32,), max_seq=64))
+def test_property_bias_and_alibi(inputs):
+    """Values, lse and gradients (q, k, v, bias, slopes) against `plain_attention` over the
+    strategy, with every other feature drawn too."""
+    check_attention(flash_attention, inputs)
