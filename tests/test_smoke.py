@@ -214,7 +214,7 @@ def test_cached_decoding_equals_full_attention():
     cache = layer.init_cache(max_len=16)
     assert isinstance(cache, eqx_flash.KVCache)
     first, cache = layer.decode(x[:6], cache, process_heads=rope)
-    rest, cache = jax.lax.scan(
+    cache, rest = jax.lax.scan(
         lambda c, x_t: layer.decode(x_t[None], c, process_heads=rope)[::-1], cache, x[6:])
     full = layer(x, x, x, process_heads=lambda q, k, v: rope(q, k, v, jnp.arange(10)))
     assert_close(jnp.concatenate([first, rest[:, 0]]), full)
