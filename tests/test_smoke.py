@@ -2,7 +2,8 @@
 
 This file (marker `smoke`, `python -m pytest -m smoke`) is what CI runs on the oldest
 supported versions (`.ci/oldest.txt`) and on the newest Python; the rest of the suite runs
-on the newest versions. `test_every_public_name_is_covered` keeps it complete.
+on the newest versions (the default `python -m pytest` leaves this file out: see
+`addopts` in pyproject.toml). `test_every_public_name_is_covered` keeps it complete.
 """
 
 import types
