@@ -21,32 +21,44 @@ from jaxtyping import Array
 from . import _softmax
 from ._block import allowed, dropout_multiplier, logits, rows, scaled
 from ._config import KernelConfig, stat_dtype
-from ._heads import Head, per_head
+from ._heads import Head, Rows, per_head
 from ._masking import Masks
 from ._schedule import band_ranges, run_limits
 from ._scores import ScoreMods
 
 
+def reads_raw_cache(cfg: KernelConfig, has_score_terms: bool) -> bool:
+    """Whether the forward is this kernel, which copes with garbage (NaN) in the keys and
+    values that nothing attends, so the caller need not clean K and V first: for one
+    decoding step that clean-up pass would cost more than the attention itself. (Under
+    differentiation they are cleaned all the same: `_tangent.with_forward_mode`.)"""
+    return cfg.splits > 1 and not has_score_terms
+
+
 def decode_forward(
     cfg: KernelConfig, q: Array, k: Array, v: Array, masks: Masks, seed: Array | None
 ) -> tuple[Array, Array]:
-    """`_forward.forward` with the key blocks taken `cfg.splits` at a time, one lane each."""
+    """`_forward.forward` with the key blocks taken `cfg.splits` at a time, one lane each.
+    K and V are read in place, a round at a time (`_heads.Rows`): a long cache is read
+    once, not first copied head by head."""
     kernel = functools.partial(_head, cfg, seed)
-    return per_head(kernel, (masks, ScoreMods()), (q, k, v))
+    return per_head(kernel, (masks, ScoreMods()), (q,), whole=(k, v))
 
 
 def _head(
-    cfg: KernelConfig, seed: Array | None, head: Head, arrays: tuple[Array, ...]
+    cfg: KernelConfig, seed: Array | None, head: Head, arrays: tuple[Array, ...],
+    kv: tuple[Rows, Rows],
 ) -> tuple[Array, Array]:
-    q, k, v = arrays
+    (q,) = arrays
+    k, v = kv
     groups, seq_q_pad = q.shape[:2]
     lanes, bk = cfg.splits, cfg.block_k
     width = lanes * bk
-    rounds = -(-k.shape[0] // width)
-    extra = rounds * width - k.shape[0]
+    seq_k = k.seq
     masks = head.masks
-    if extra:  # a ragged last round: pad it with keys masked by position
-        k, v = (jnp.pad(x, ((0, extra), (0, 0))) for x in (k, v))
+    if seq_k < width:  # one short round: pad it (small) with keys masked by position
+        extra = width - seq_k
+        k, v = (Rows(jnp.pad(x(0, seq_k), ((0, extra), (0, 0)))) for x in (k, v))
         masks = Masks(*(m if m is None or m.shape[-1] == 1 else
                         jnp.pad(m, ((0, 0),) * (m.ndim - 1) + ((0, extra),)) for m in masks))
     bands = band_ranges(cfg.seq_q, cfg.seq_k, cfg.block_q, bk, cfg.band_window, cfg.offset,
@@ -60,25 +72,36 @@ def _head(
     wide = dataclasses.replace(cfg, block_k=width)
     q = scaled(cfg, q)
     stat = stat_dtype(q.dtype)
+    last_start = k.seq - width
 
     def query_block(_, i):
         q_start = i * cfg.block_q
         q_blk = rows(q, q_start, cfg.block_q, 1)  # (g, bq, d)
-        state = _softmax.start(q_blk, (lanes, groups, cfg.block_q, v.shape[-1]), stat)
+        state = _softmax.start(q_blk, (lanes, groups, cfg.block_q, v.x.shape[-1]), stat)
 
         def one_round(r, state):
-            k_start = r * width
-            s, _ = logits(wide, q_blk, rows(k, k_start, width, 0), None)  # (g, bq, lanes * bk)
+            # A ragged last round reads the last `width` keys, the ones before `r * width`
+            # (already seen) masked: no padded copy of the cache.
+            k_start = jnp.minimum(r * width, last_start)
+            k_blk, v_blk = k(k_start, width), v(k_start, width)
+            s, _ = logits(wide, q_blk, k_blk, None)  # (g, bq, lanes * bk)
             mask = allowed(wide, masks, q_start, k_start, True)
             assert mask is not None  # positional: always a mask
+            if seq_k % width:
+                k_pos = k_start + jnp.arange(width, dtype=jnp.int32)
+                mask = mask & (k_pos >= r * width)
             s = jnp.where(mask, s, -jnp.inf)
+            # The cache is not cleaned up front (`reads_raw_cache`): a value row that no
+            # query of this block sees may be garbage (NaN), and 0 * NaN is NaN.
+            seen = jnp.any(mask, axis=tuple(range(mask.ndim - 1)))[:, None]
+            v_blk = jnp.where(seen, v_blk, jnp.zeros((), v_blk.dtype))
             s = jnp.moveaxis(s.reshape(groups, cfg.block_q, lanes, bk), 2, 0)
             p, alpha, row_max, row_sum = _softmax.rescale(state, s)
             drop = dropout_multiplier(wide, seed, head, q_start, k_start, stat)
             if drop is not None:
                 p = p * jnp.moveaxis(drop.reshape(groups, cfg.block_q, lanes, bk), 2, 0)
-            v_blk = rows(v, k_start, width, 0).reshape(lanes, bk, v.shape[-1])
-            pv = jnp.einsum("lgqk,lkd->lgqd", p.astype(v.dtype), v_blk,
+            v_lanes = v_blk.reshape(lanes, bk, v_blk.shape[-1])
+            pv = jnp.einsum("lgqk,lkd->lgqd", p.astype(v_blk.dtype), v_lanes,
                             preferred_element_type=stat)
             return _softmax.Running(alpha[..., None] * state.acc + pv, row_max, row_sum)
 
@@ -88,6 +111,7 @@ def _head(
 
     num_q = seq_q_pad // cfg.block_q
     _, (out, lse) = jax.lax.scan(query_block, None, jnp.arange(num_q, dtype=jnp.int32))
-    out = jnp.moveaxis(out, 0, 1).reshape(groups, seq_q_pad, v.shape[-1])
+    dim_v = v.x.shape[-1]
+    out = jnp.moveaxis(out, 0, 1).reshape(groups, seq_q_pad, dim_v)
     lse = jnp.moveaxis(lse, 0, 1).reshape(groups, seq_q_pad)
     return out.astype(q.dtype), lse

@@ -20,7 +20,7 @@ from jaxtyping import Array, PRNGKeyArray, jaxtyped
 
 from ._backward import backward, prepare
 from ._config import KernelConfig, decode_config, kernel_config, kernel_dtype
-from ._decode import decode_forward
+from ._decode import decode_forward, reads_raw_cache
 from ._forward import forward
 from ._masking import Masks, dropout_seed, valid_rows
 from ._options import make_options
@@ -58,7 +58,7 @@ from ._validation import (
 def _forward(cfg: KernelConfig, q, k, v, mods: ScoreMods, masks: Masks, seed):
     """The forward kernel for `cfg`: flash-decoding when `cfg.splits > 1`
     (`_config.decode_splits`) and there are no score terms, else the regular one."""
-    if cfg.splits > 1 and mods.is_empty:
+    if reads_raw_cache(cfg, not mods.is_empty):
         return decode_forward(cfg, q, k, v, masks, seed)
     return forward(cfg, q, k, v, mods, masks, seed)
 
@@ -119,7 +119,11 @@ def _blockwise(
     dtype = q.dtype
     compute = kernel_dtype(dtype)
     q, k, v = split_heads(q, k, v, shapes)
-    q, k, v = (x.astype(compute) for x in valid_rows(q, k, v, masks, cfg.seq_q, cfg.seq_k))
+    if reads_raw_cache(cfg, not mods.is_empty):  # only the (few) queries need cleaning
+        q = valid_rows(q, k, v, masks, cfg.seq_q, cfg.seq_k, keys=False)[0]
+    else:
+        q, k, v = valid_rows(q, k, v, masks, cfg.seq_q, cfg.seq_k)
+    q, k, v = (x.astype(compute) for x in (q, k, v))
     seq_q_pad = -(-cfg.seq_q // cfg.block_q) * cfg.block_q
     seq_k_pad = -(-cfg.seq_k // cfg.block_k) * cfg.block_k
     q = _pad_axis(q, 3, seq_q_pad)

@@ -24,14 +24,38 @@ class Head(NamedTuple):
     head_ids: Array  # flat q-head index of each group, `(groups, 1, 1)` (for dropout)
 
 
-HeadKernel = Callable[[Head, tuple[Array, ...]], Any]
+HeadKernel = Callable[..., Any]  # (head, per-head arrays[, Rows of the whole arrays])
 Shared = tuple[Masks, ScoreMods]
 
 
-def per_head(fn: HeadKernel, shared: Shared, arrays: tuple[Array, ...]) -> Any:
+class Rows(NamedTuple):
+    """One kv head's `(seq, dim)` rows of a `(batch, kv_heads, seq, dim)` array, read a
+    slice at a time: `rows(start, size)`. The loop over heads hands kernels these instead
+    of the head's slice where the array is large and read once (a long KV cache): slicing
+    the head out first would copy all of it."""
+
+    x: Array
+    b: Array | None = None  # None: `x` is already the head's `(seq, dim)`
+    h: Array | None = None
+
+    def __call__(self, start: Array | int, size: int) -> Array:
+        if self.b is None or self.h is None:
+            return jax.lax.dynamic_slice_in_dim(self.x, start, size, axis=0)
+        dim = self.x.shape[-1]
+        return jax.lax.dynamic_slice(self.x, (self.b, self.h, start, 0), (1, 1, size, dim))[0, 0]
+
+    @property
+    def seq(self) -> int:
+        return self.x.shape[-2]
+
+
+def per_head(
+    fn: HeadKernel, shared: Shared, arrays: tuple[Array, ...], whole: tuple[Array, ...] = ()
+) -> Any:
     """Map `fn(head, per_head_arrays)` over the `(batch, kv_heads)` axes of `arrays`
     (all have them first); results are stacked back on those axes. `shared` (masks and
-    score terms) have those axes too, or size 1 where they broadcast.
+    score terms) have those axes too, or size 1 where they broadcast. Arrays in `whole`
+    reach `fn` as a third argument, one `Rows` each, instead of being sliced per head.
 
     On one device, a `lax.map` loop: 2-d block matmuls, the fastest form on CPU. With
     several devices the batch or heads axis may be sharded, and a loop over a sharded axis
@@ -43,10 +67,15 @@ def per_head(fn: HeadKernel, shared: Shared, arrays: tuple[Array, ...]) -> Any:
 
     def one(b: Array, h: Array, xs: tuple[Array, ...], shared_bh: Shared) -> Any:
         masks_bh, mods_bh = shared_bh
-        return fn(Head(masks_bh, mods_bh, flat_head_index(b, h, kv_heads, groups)), xs)
+        head = Head(masks_bh, mods_bh, flat_head_index(b, h, kv_heads, groups))
+        if not whole:
+            return fn(head, xs)
+        if len(xs) > len(arrays):  # vmapped: the whole arrays came sliced per head
+            return fn(head, xs[: len(arrays)], tuple(Rows(x) for x in xs[len(arrays):]))
+        return fn(head, xs, tuple(Rows(x, b, h) for x in whole))
 
     if jax.device_count() > 1:
-        return _vmapped(one, shared, arrays)
+        return _vmapped(one, shared, arrays + whole)
     flat = tuple(x.reshape(batch * kv_heads, *x.shape[2:]) for x in arrays)
 
     def take(m: Array, b: Array, h: Array) -> Array:

@@ -79,7 +79,7 @@ def lengths_or(masks: Masks, seq_q: int, seq_k: int) -> tuple[Array | int, Array
 
 
 def valid_rows(
-    q: Array, k: Array, v: Array, masks: Masks, seq_q: int, seq_k: int
+    q: Array, k: Array, v: Array, masks: Masks, seq_q: int, seq_k: int, keys: bool = True
 ) -> tuple[Array, Array, Array]:
     """q, k, v (internal layout, unpadded) with the rows that can never attend set to 0:
     queries at or past `q_lengths`, keys at or past `kv_lengths` or masked by the key mask
@@ -90,6 +90,8 @@ def valid_rows(
     if masks.q_lengths is not None:
         q_pos = jnp.arange(seq_q, dtype=jnp.int32).reshape(1, 1, 1, -1, 1)
         q = jnp.where(q_pos < masks.q_lengths, q, jnp.zeros((), q.dtype))
+    if not keys:  # (`keys=False`: the queries only)
+        return q, k, v
     keep = None
     if masks.kv_lengths is not None:
         k_pos = jnp.arange(seq_k, dtype=jnp.int32).reshape(1, 1, -1, 1)

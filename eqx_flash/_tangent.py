@@ -81,8 +81,9 @@ from jaxtyping import Array
 from . import _block
 from ._backward import backward, prepare
 from ._config import KernelConfig, stat_dtype
+from ._decode import reads_raw_cache
 from ._heads import Head, per_head
-from ._masking import Masks
+from ._masking import Masks, valid_rows
 from ._schedule import band_ranges, over_band, run_limits
 from ._scores import ScoreMods
 
@@ -519,6 +520,16 @@ def _linear(cfg: KernelConfig, which, residuals, nonzero) -> list[Array]:
 # --- the wiring ---------------------------------------------------------------------------
 
 
+def _clean_tangents(tangents, primals, masks) -> tuple[Any, ...]:
+    """`valid_rows` applied to the tangents of q, k, v (symbolic zeros stay as they are;
+    the primals stand in for them, and their results are dropped)."""
+    stand_in = tuple(p if type(t) is SymbolicZero else t
+                     for t, p in zip(tangents, primals, strict=True))
+    cleaned = valid_rows(*stand_in, masks, primals[0].shape[3], primals[1].shape[2])
+    return tuple(t if type(t) is SymbolicZero else c
+                 for t, c in zip(tangents, cleaned, strict=True))
+
+
 def with_forward_mode(attention: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap `attention(cfg, q, k, v, masks, seed) -> (out, lse)`, a `custom_vjp` function
     on padded internal-layout arrays, so that forward mode works too (module docstring)."""
@@ -530,6 +541,11 @@ def with_forward_mode(attention: Callable[..., Any]) -> Callable[..., Any]:
     @functools.partial(wrapped.defjvp, symbolic_zeros=True)
     def wrapped_jvp(cfg, primals, tangents):
         q, k, v, masks, seed = primals
+        if reads_raw_cache(cfg, has_score_terms=False):
+            # The decoding kernel left the keys and values uncleaned (`_flash._blockwise`);
+            # the derivative kernels need them clean, and their tangents alike.
+            q, k, v = valid_rows(q, k, v, masks, q.shape[3], k.shape[2])  # padded sizes
+            tangents = (*_clean_tangents(tangents[:3], (q, k, v), masks), *tangents[3:])
         out, lse = wrapped(cfg, q, k, v, masks, seed)
         which = tuple(type(t) is not SymbolicZero for t in tangents[:3])
         nonzero = tuple(t for t, w in zip(tangents[:3], which, strict=True) if w)

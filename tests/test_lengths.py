@@ -101,6 +101,15 @@ def test_nan_padding_reaches_nothing(fn, seq_q):
 
     clean = jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
     dirty = jax.value_and_grad(loss, argnums=(0, 1, 2))(*poisoned)
+    # Evaluated alone (no derivative: the decoding kernel reads the raw cache) and in
+    # forward mode (the tangents of the padding are poisoned too).
+    clean += (fn(q, k, v, key_mask, **kw)[0],)
+    dirty += (fn(*poisoned, key_mask, **kw)[0],)
+    tangents = (jnp.ones_like(q), jnp.ones_like(k), jnp.ones_like(v))
+    dirty_tangents = tuple(jnp.where(pad, jnp.nan, t) for pad, t in
+                           zip((q_pad, k_pad, k_pad), tangents, strict=True))
+    clean += jax.jvp(lambda *a: fn(*a, key_mask, **kw)[0], (q, k, v), tangents)
+    dirty += jax.jvp(lambda *a: fn(*a, key_mask, **kw)[0], poisoned, dirty_tangents)
     for c, d in zip(jax.tree.leaves(clean), jax.tree.leaves(dirty), strict=True):
         assert np.all(np.isfinite(np.asarray(d)))
         np.testing.assert_allclose(np.asarray(d), np.asarray(c), rtol=1e-6, atol=1e-6)
