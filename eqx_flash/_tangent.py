@@ -523,9 +523,9 @@ def _linear(cfg: KernelConfig, which, residuals, nonzero) -> list[Array]:
 def _clean_tangents(tangents, primals, masks) -> tuple[Any, ...]:
     """`valid_rows` applied to the tangents of q, k, v (symbolic zeros stay as they are;
     the primals stand in for them, and their results are dropped)."""
-    stand_in = tuple(p if type(t) is SymbolicZero else t
+    d_q, d_k, d_v = (p if type(t) is SymbolicZero else t
                      for t, p in zip(tangents, primals, strict=True))
-    cleaned = valid_rows(*stand_in, masks, primals[0].shape[3], primals[1].shape[2])
+    cleaned = valid_rows(d_q, d_k, d_v, masks, primals[0].shape[3], primals[1].shape[2])
     return tuple(t if type(t) is SymbolicZero else c
                  for t, c in zip(tangents, cleaned, strict=True))
 
