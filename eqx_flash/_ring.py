@@ -300,6 +300,8 @@ def ring_flash_attention(
     block_q: BlockSize = None,
     block_k: BlockSize = None,
     layout: Layout = "contiguous",
+    q_lengths: Any = None,
+    kv_lengths: Any = None,
 ) -> tuple[Output, LSE]:
     """Flash attention over a sequence sharded along mesh axis `axis_name`.
 
@@ -325,8 +327,17 @@ def ring_flash_attention(
 
     The local shard of `(out, lse)`, as `flash_attention` returns them.
 
-    Dropout and dense `attn_mask` are not supported on the ring.
+    Dropout and dense `attn_mask` are not supported on the ring, nor are `q_lengths` and
+    `kv_lengths` on the shards (an error says so): `sharded_flash_attention` takes them on
+    global arrays, or pass them as segment ids.
     """
+    for name, value in (("q_lengths", q_lengths), ("kv_lengths", kv_lengths)):
+        if value is not None:
+            raise NotImplementedError(
+                f"ring_flash_attention does not take {name} (each device holds a shard of "
+                "the sequence): use sharded_flash_attention(..., q_lengths=, kv_lengths=) on "
+                "the global arrays, or mark the padding with q_segment_ids/kv_segment_ids"
+            )
     options = make_options(
         causal=causal, window=window, scale=scale, softcap=softcap, block_q=block_q,
         block_k=block_k,

@@ -7,14 +7,17 @@ restores the order.
 """
 
 import functools
+import math
 from collections.abc import Hashable
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 from beartype import beartype
 from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, jaxtyped
 
+from ._masking import Masks
 from ._options import AttentionOptions, make_options
 from ._ring import ring_attention
 from ._sequence_order import (
@@ -32,6 +35,7 @@ from ._types import (
     Key,
     KeyMask,
     KeySegmentIds,
+    Lengths,
     OptionalReal,
     Output,
     Query,
@@ -39,7 +43,7 @@ from ._types import (
     Value,
     WindowLike,
 )
-from ._validation import check_masks, check_qkv
+from ._validation import check_lengths, check_masks, check_qkv, is_concrete
 
 
 def _spec(ndim: int, placed: dict[int, Hashable | None]) -> PartitionSpec:
@@ -65,6 +69,8 @@ def sharded_flash_attention(
     window: WindowLike = None,
     q_segment_ids: QuerySegmentIds | None = None,
     kv_segment_ids: KeySegmentIds | None = None,
+    q_lengths: Lengths | None = None,
+    kv_lengths: Lengths | None = None,
     scale: OptionalReal = None,
     softcap: OptionalReal = None,
     block_q: BlockSize = None,
@@ -76,6 +82,12 @@ def sharded_flash_attention(
 
     - `q`, `k`, `v`, `mask`, `causal`, `window`, `q_segment_ids`, `kv_segment_ids`,
         `scale`, `softcap`, `block_q`, `block_k`: as in `flash_attention` (global arrays).
+    - `q_lengths`, `kv_lengths`: as in `flash_attention`, carried round the ring as
+        segment ids (padding gets ids no valid row has, and is zeroed so that NaN there
+        reaches nothing); blocks past the lengths are still computed. With `causal` or a
+        `window`, `kv_lengths - q_lengths` must equal `seq_k - seq_q` (as for padded
+        self-attention with equal lengths), since the ring aligns them on the global
+        sequence: otherwise an error (`eqx.error_if` under `jax.jit`).
     - `mesh`: a `jax.sharding.Mesh`.
     - `seq_axis`: mesh axis the sequence is split over (the ring).
     - `batch_axis`: optional mesh axis for the first leading axis of q, k, v (data
@@ -98,6 +110,10 @@ def sharded_flash_attention(
         check_layout(layout)
     q, k, v, shapes = check_qkv(q, k, v)
     check_masks(shapes, mask, None, q_segment_ids, kv_segment_ids)  # clear shape errors
+    if q_lengths is not None or kv_lengths is not None:
+        q, k, v, q_segment_ids, kv_segment_ids = _lengths_as_segment_ids(
+            shapes, options, q, k, v, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids
+        )
     if seq_axis not in mesh.shape:
         raise ValueError(f"seq_axis={seq_axis!r} is not an axis of the mesh {dict(mesh.shape)}")
     n = mesh.shape[seq_axis]
@@ -128,6 +144,56 @@ def sharded_flash_attention(
         q, k, v, extras, mesh=mesh, seq_axis=seq_axis, batch_axis=batch_axis,
         head_axis=head_axis, layout=layout, options=options,
     )
+
+
+# Segment ids of padding: no valid row has them, and a padded query's is not a padded key's.
+PADDED_QUERY_ID = jnp.iinfo(jnp.int32).min
+PADDED_KEY_ID = jnp.iinfo(jnp.int32).min + 1
+
+
+def _lengths_as_segment_ids(shapes, options, q, k, v, q_lengths, kv_lengths, q_ids, kv_ids):
+    """Valid lengths as segment ids the ring already carries, with the padded rows of q,
+    k, v zeroed (`_masking.valid_rows`'s guarantee: NaN padding reaches nothing)."""
+    masks = check_lengths(shapes, Masks(), q_lengths, kv_lengths)
+    batch = shapes.batch_shape
+
+    def per_element(length: Array | None, seq: int) -> Array:
+        # (batch|1, 1, 1, 1, 1) -> (*batch,) (or () without batch axes)
+        if length is None:
+            return jnp.full(batch, seq, jnp.int32)
+        return jnp.broadcast_to(length.reshape(-1), (math.prod(batch),)).reshape(batch)
+
+    q_len = per_element(masks.q_lengths, shapes.seq_q)
+    kv_len = per_element(masks.kv_lengths, shapes.seq_k)
+    if not options.window.is_unbounded:  # causal too: the ring aligns on the global lengths
+        offset = shapes.seq_k - shapes.seq_q
+        message = (
+            f"sharded_flash_attention with causal/window needs kv_lengths - q_lengths == "
+            f"seq_k - seq_q = {offset} (the ring aligns the diagonal on the global sequence)"
+        )
+        bad = jnp.any(kv_len - q_len != offset)
+        if not is_concrete(bad):
+            q_len = eqx.error_if(q_len, bad, message)
+        elif bool(bad):
+            raise ValueError(message)
+    q_valid = jnp.arange(shapes.seq_q) < q_len[..., None]  # (*batch, seq_q)
+    k_valid = jnp.arange(shapes.seq_k) < kv_len[..., None]
+
+    def rows(x: Array, valid: Array) -> Array:  # zero the padded rows of (*lead, seq, dim)
+        if shapes.has_heads_axis:
+            valid = valid[..., None, :]
+        return jnp.where(valid[..., None], x, jnp.zeros((), x.dtype))
+
+    def ids(given, valid: Array, padded: int) -> Array:
+        if given is not None:
+            given = jnp.asarray(given)
+            if shapes.has_heads_axis and given.ndim == q.ndim - 1:
+                valid = valid[..., None, :]
+        base = jnp.zeros((), jnp.int32) if given is None else given.astype(jnp.int32)
+        return jnp.where(valid, base, jnp.asarray(padded, jnp.int32))
+
+    return (rows(q, q_valid), rows(k, k_valid), rows(v, k_valid),
+            ids(q_ids, q_valid, PADDED_QUERY_ID), ids(kv_ids, k_valid, PADDED_KEY_ID))
 
 
 @functools.partial(

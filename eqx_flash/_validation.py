@@ -102,7 +102,7 @@ def check_score_mods(
     return ScoreMods(bias, alibi_slopes)
 
 
-def _is_concrete(x: Array) -> bool:
+def is_concrete(x: Array) -> bool:
     try:
         np.asarray(x)
     except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
@@ -127,7 +127,7 @@ def _lengths(name: str, x: ArrayLike | None, shapes: Shapes, seq: int) -> Array 
         )
     arr = arr.astype(jnp.int32)
     message = f"{name} must lie in [0, {seq}] (the sequence length)"
-    if not _is_concrete(arr):
+    if not is_concrete(arr):
         arr = cast(Array, eqx.error_if(arr, (arr < 0) | (arr > seq), message))
     else:
         concrete = np.asarray(arr)

@@ -148,6 +148,28 @@ def check_sharded_window_heads():
     return _compare(fn, 96, 96, window=(20, 5))
 
 
+def check_sharded_lengths():
+    """Causal (zigzag) with `q_lengths`/`kv_lengths` (carried as segment ids, on top of the
+    key mask and the segment ids), and NaN in the padding reaching nothing."""
+    mesh = _seq_mesh(4)
+    lengths = jnp.array([96, 41])
+
+    def fn(q, k, v, mask, q_ids, kv_ids):
+        return eqx_flash.sharded_flash_attention(
+            q, k, v, mask, mesh=mesh, seq_axis="seq", causal=True, q_segment_ids=q_ids,
+            kv_segment_ids=kv_ids, q_lengths=lengths, kv_lengths=lengths, block_q=16,
+            block_k=16,
+        )
+
+    result = _compare(fn, 96, 96, causal=True, q_lengths=lengths, kv_lengths=lengths)
+    (q, k, v), mask, q_ids, kv_ids, cot = _inputs(96, 96)
+    pad = jnp.arange(96)[None, None, :, None] >= lengths[:, None, None, None]
+    clean = jax.jit(lambda *a: _value_and_vjp(lambda *b: fn(*b, mask, q_ids, kv_ids), a, cot))
+    poisoned = [jnp.where(pad, jnp.nan, x) for x in (q, k, v)]
+    result["nan_padding"] = _errors(clean(q, k, v), clean(*poisoned))
+    return result
+
+
 def check_memory():
     """Per-device compiled temp memory of forward+backward for 1, 2 and 4 devices."""
     seq, dim = 16384, 64  # large enough that O(seq) buffers dominate

@@ -57,6 +57,7 @@ RING_CHECKS = [
     "ring_striped_causal",
     "sharded_zigzag_two_axes",
     "sharded_window_heads",
+    "sharded_lengths",
     "flash_sharded_inputs",
 ]
 
@@ -73,6 +74,11 @@ def test_matches_single_device(check):
     if check == "sharded_zigzag_two_axes":
         # Some rows see no key, so the -inf handling of the merge is exercised.
         assert result["rows_without_keys"] > 0, result
+    if check == "sharded_lengths":
+        # NaN in the padding of q, k, v changes no output and no gradient.
+        padding = result["nan_padding"]
+        for name in ("out", "lse", "dq", "dk", "dv"):
+            assert padding[name] == 0.0 and padding[name + "_finite"], (name, padding)
     if check == "flash_sharded_inputs":
         # Batch- and heads-sharded inputs need no gather; the output keeps their sharding.
         assert result["all_gathers"] == 0, result
@@ -179,3 +185,16 @@ def test_causal_work_is_balanced():
     assert calls("contiguous") == [1, 2, 3, 4]
     assert calls("zigzag") == [2 * n + 1] * n
     assert calls("striped") == [n] * n
+
+
+def test_lengths_on_the_ring_errors():
+    """`sharded_flash_attention` takes lengths (tested on 4 devices in `sharded_lengths`),
+    but only where the ring's global diagonal is the valid lengths' one; the ring itself
+    (on shards) refuses them, naming the argument and what to use instead."""
+    mesh = Mesh(np.array(jax.devices()[:1]), ("seq",))
+    q, k, v = qkv(jax.random.key(0), (2, 4, 32, 8), (2, 2, 32, 8))
+    with pytest.raises(ValueError, match="kv_lengths - q_lengths"):
+        eqx_flash.sharded_flash_attention(q, k, v, mesh=mesh, seq_axis="seq", causal=True,
+                                          kv_lengths=jnp.array([32, 20]))
+    with pytest.raises(NotImplementedError, match="kv_lengths.*sharded_flash_attention"):
+        eqx_flash.ring_flash_attention(q, k, v, axis_name="seq", kv_lengths=jnp.array([3, 4]))
