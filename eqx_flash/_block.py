@@ -200,6 +200,8 @@ def visit(
     def with_mod(c):
         idx = flex_indices(cfg, head, q_start, k_start)
         mod = mask_of(flex_cfg, flex, idx, (head.head_ids.shape[0], cfg.block_q, cfg.block_k))
+        if cfg.seq_q % cfg.block_q:  # padding rows must not keep a block `make_block_mask`
+            mod = mod & (idx[2] < cfg.seq_q)  # calls empty (they are discarded anyway)
         mask = orient(mod if base is None else base & mod)
         return skip_if_empty(mask, True, functools.partial(compute, mask), c)
 

@@ -99,7 +99,7 @@ def _flags(
     h = jnp.arange(heads, dtype=jnp.int32).reshape(1, -1, 1, 1)
     probe_i = jax.ShapeDtypeStruct((1, 1, bq, 1), jnp.int32)
     probe_j = jax.ShapeDtypeStruct((1, 1, 1, bk), jnp.int32)
-    check_mask_mod(mask_mod, (b, h, probe_i, probe_j), (batch, heads, bq, bk))  # type: ignore[arg-type]
+    check_mask_mod(mask_mod, (b, h, probe_i, probe_j), (batch, heads, bq, bk))
 
     def one(qi: Array, kj: Array) -> Array:
         i = qi * bq + jnp.arange(bq, dtype=jnp.int32).reshape(1, 1, -1, 1)

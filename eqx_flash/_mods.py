@@ -38,6 +38,10 @@ _MIXING = frozenset({
 })
 
 
+# Arguments to trace a modification with: arrays or `jax.ShapeDtypeStruct`s.
+Probe = tuple[Any, ...]
+
+
 class _Hashable:
     """Wraps a static value for use in a jit cache key: by equality where it hashes (a
     function, an `eqx.Module` whose arrays were taken out), else by identity."""
@@ -97,7 +101,7 @@ class _Traced:
 
 
 def split_mod(
-    name: str, mod: Callable[..., Any], probe: tuple[Array, ...]
+    name: str, mod: Callable[..., Any], probe: Probe
 ) -> tuple[ModFn, Any, Any]:
     """`(static, jaxpr, arrays)` of `mod` traced on `probe` (the kernels' block of
     arguments): the arrays it reads are its PyTree leaves, plus, if it closes over traced
@@ -118,7 +122,7 @@ def split_mod(
                                                                     for i in hoisted])
 
 
-def _trace(name: str, call: Callable[..., Any], probe: tuple[Array, ...], leaves: Any):
+def _trace(name: str, call: Callable[..., Any], probe: Probe, leaves: Any):
     try:
         return jax.make_jaxpr(call)(probe, leaves)
     except (TypeError, ValueError, IndexError) as e:
@@ -147,7 +151,7 @@ def _mixes_elements(jaxpr: Any, tainted: set) -> str | None:
 
 
 def check_score_mod(
-    score_mod: Callable[..., Any], probe: tuple[Array, ...]
+    score_mod: Callable[..., Any], probe: Probe
 ) -> tuple[ModFn, Any]:
     """Split `score_mod` (`split_mod`: `(static, arrays)`), checking it keeps the shape
     and dtype of the scores and is elementwise in them."""
@@ -176,7 +180,7 @@ def check_score_mod(
 
 
 def check_mask_mod(
-    mask_mod: Callable[..., Any], probe: tuple[Array, ...], block: tuple[int, ...]
+    mask_mod: Callable[..., Any], probe: Probe, block: tuple[int, ...]
 ) -> tuple[ModFn, Any]:
     """Split `mask_mod` (`split_mod`: `(static, arrays)`), checking it returns booleans
     that broadcast to a block of shape `block`."""
@@ -224,7 +228,7 @@ def split_arrays(arrays: Any) -> tuple[Any, Any]:
     return eqx.partition(arrays, eqx.is_inexact_array)
 
 
-def block_probe(groups: int, block_q: int, block_k: int, dtype: Any) -> tuple[Array, ...]:
+def block_probe(groups: int, block_q: int, block_k: int, dtype: Any) -> Probe:
     """`(scores, batch, head, q_idx, kv_idx)` as the kernels pass them, abstract."""
     ints = jnp.int32
     return (
@@ -233,7 +237,7 @@ def block_probe(groups: int, block_q: int, block_k: int, dtype: Any) -> tuple[Ar
         jax.ShapeDtypeStruct((groups, 1, 1), ints),
         jax.ShapeDtypeStruct((1, block_q, 1), ints),
         jax.ShapeDtypeStruct((1, 1, block_k), ints),
-    )  # type: ignore[return-value]
+    )
 
 
 def block_indices(

@@ -142,8 +142,11 @@ def plain_attention(
     # Softmax over attended keys only. Masked logits are replaced by the row's max before
     # `exp` and their weights by 0, so no -inf or NaN is ever formed (`jax.debug_infs`
     # stays quiet) and gradients stay finite; a row with no key gets 0 and lse -inf.
-    row_max = jnp.max(jnp.where(allowed, logits, jnp.finfo(stat).min), axis=-1, keepdims=True)
-    row_max = jax.lax.stop_gradient(row_max)
+    floor = jnp.finfo(stat).min
+    row_max = jnp.max(jnp.where(allowed, logits, floor), axis=-1, keepdims=True)
+    # At least the floor: a row whose attended logits are all -inf (a -inf bias or
+    # score_mod) would otherwise form -inf - -inf = NaN, poisoning every gradient.
+    row_max = jax.lax.stop_gradient(jnp.maximum(row_max, floor))
     unnormalised = jnp.where(allowed, jnp.exp(jnp.where(allowed, logits, row_max) - row_max), 0.0)
     if key is not None:
         rate = options.dropout_rate
