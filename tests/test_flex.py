@@ -472,3 +472,80 @@ def test_forward_mode_and_ring_raise():
     for name in ("score_mod", "mask_mod", "block_mask"):
         with pytest.raises(TypeError, match=name):
             eqx_flash.ring_flash_attention(q, k, v, axis_name="x", **{name: mod})
+
+
+# --- modules ---------------------------------------------------------------------------------
+
+
+def test_modules_take_modifications_as_fields_and_per_call():
+    """A `RelativePositionBias` field of `FlashMultiheadAttention` trains through
+    `eqx.filter_grad` of a `vmap`ped loss (as the reference's gradient); `FlashAttention`
+    takes a mask_mod as a field or per call, with a block_mask."""
+    heads, seq = 4, 20
+    rpb = RelativePositionBias(heads, key=jax.random.key(1))
+    causal = lambda b, h, i, j: j <= i  # noqa: E731
+    mha = eqx_flash.FlashMultiheadAttention(heads, 16, num_kv_heads=2, score_mod=rpb,
+                                            mask_mod=causal, block_q=8, block_k=8,
+                                            key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(2), (3, seq, 16))
+
+    def loss(model):
+        return jnp.sum(jax.vmap(model)(x, x, x) ** 2)
+
+    def reference_loss(model):
+        def one(x):
+            def heads_of(proj, n):
+                return jax.vmap(proj)(x).reshape(seq, n, -1).swapaxes(0, 1)
+
+            q, k, v = (heads_of(model.query_proj, heads), heads_of(model.key_proj, 2),
+                       heads_of(model.value_proj, 2))
+            out, _ = plain_attention(q, k, v, score_mod=model.score_mod, causal=True)
+            return jax.vmap(model.output_proj)(out.swapaxes(0, 1).reshape(seq, -1))
+
+        return jnp.sum(jax.vmap(one)(x) ** 2)
+
+    got = eqx.filter_jit(eqx.filter_grad(loss))(mha)
+    expected = eqx.filter_grad(reference_loss)(mha)
+    assert isinstance(got.score_mod, RelativePositionBias)
+    scale = float(jnp.abs(expected.score_mod.table).max())
+    assert scale > 0
+    np.testing.assert_allclose(got.score_mod.table, expected.score_mod.table,
+                               atol=1e-4 * scale)
+    np.testing.assert_allclose(got.query_proj.weight, expected.query_proj.weight,
+                               atol=1e-4 * float(jnp.abs(expected.query_proj.weight).max()))
+    with pytest.raises(NotImplementedError, match="decode.*score_mod"):
+        mha.decode(x[0, :2], mha.init_cache(8))
+
+    converted = eqx_flash.FlashMultiheadAttention.from_eqx(
+        eqx.nn.MultiheadAttention(heads, 16, key=jax.random.key(0)), score_mod=rpb)
+    assert converted.score_mod.table is rpb.table
+
+    q = jax.random.normal(jax.random.key(3), (heads, seq, 8))
+    attn = eqx_flash.FlashAttention(block_q=8, block_k=8, mask_mod=causal)
+    block_mask = make_block_mask(causal, (), 1, seq, seq, 8, 8)
+    expected_out, _ = plain_attention(q, q, q, causal=True)
+    np.testing.assert_allclose(attn(q, q, q), expected_out, atol=2e-6)
+    np.testing.assert_allclose(attn(q, q, q, block_mask=block_mask), expected_out, atol=2e-6)
+    anti = eqx_flash.FlashAttention(block_q=8, block_k=8)(
+        q, q, q, mask_mod=lambda b, h, i, j: j >= i, score_mod=ALiBi(heads))
+    np.testing.assert_allclose(
+        anti, plain_attention(q, q, q, window=(0, None), alibi_slopes=ALiBi(heads).slopes)[0],
+        atol=2e-6)
+
+
+def test_gradient_of_vmapped_bias_and_score_mod():
+    """`jax.grad` of a loss over `jax.vmap` of the attention (the usual training step) works
+    with the reverse-mode-only paths: bias and score_mod."""
+    q, k, v = _qkv()
+    bias = _normal(18, (B, H, SQ, SK))
+    table = 0.5 * _normal(5, (H, SQ + SK + 1))
+
+    def loss(fn, q, bias, table):
+        out = jax.vmap(lambda q, k, v, b: fn(q, k, v, bias=b,
+                                             score_mod=relative_table(table))[0])(q, k, v, bias)
+        return jnp.sum(out ** 2)
+
+    got = jax.grad(lambda *a: loss(_flash, *a), argnums=(0, 1, 2))(q, bias, table)
+    expected = jax.grad(lambda *a: loss(plain_attention, *a), argnums=(0, 1, 2))(q, bias, table)
+    for g, e in zip(got, expected, strict=True):
+        np.testing.assert_allclose(g, e, atol=1e-4 * max(float(jnp.abs(e).max()), 1.0))
