@@ -7,7 +7,7 @@ evaluating the `mask_mod`. Like FlexAttention's `create_block_mask`.
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import equinox as eqx
 import jax
@@ -21,6 +21,13 @@ from ._shapes import Shapes
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
+# Checked by hand (`make_block_mask`): beartype would check a `tuple[int, ...]` by sampling
+# with the global `random` module, which Hypothesis strategies must not touch.
+if TYPE_CHECKING:
+    BatchShape = tuple[int, ...]
+else:
+    BatchShape = Any
+
 
 class BlockMask(eqx.Module):
     """Block-sparsity summary of a `mask_mod` (build it with `make_block_mask`).
@@ -31,7 +38,7 @@ class BlockMask(eqx.Module):
     """
 
     flags: Int8[Array, "*batch heads num_q num_k"]
-    batch_shape: tuple[int, ...] = eqx.field(static=True)
+    batch_shape: BatchShape = eqx.field(static=True)
     heads: int = eqx.field(static=True)
     seq_q: int = eqx.field(static=True)
     seq_k: int = eqx.field(static=True)
@@ -46,7 +53,7 @@ class BlockMask(eqx.Module):
 
 def make_block_mask(
     mask_mod: Callable[..., Any],
-    batch_shape: tuple[int, ...] | int,
+    batch_shape: BatchShape | int,
     heads: int,
     seq_q: int,
     seq_k: int,
@@ -78,6 +85,8 @@ def make_block_mask(
     """
     if isinstance(batch_shape, int):
         batch_shape = () if batch_shape == 1 else (batch_shape,)
+    if not all(isinstance(n, int) and n > 0 for n in batch_shape):
+        raise ValueError(f"batch_shape must be a tuple of positive ints; got {batch_shape!r}")
     batch_shape = tuple(int(n) for n in batch_shape)
     groups = 1 if kv_heads is None else max(heads // kv_heads, 1)
     options = make_options(block_q=block_q, block_k=block_k)

@@ -38,8 +38,10 @@ _MIXING = frozenset({
 })
 
 
-# Arguments to trace a modification with: arrays or `jax.ShapeDtypeStruct`s.
+# Arguments to trace a modification with: arrays or `jax.ShapeDtypeStruct`s. (Tuples of
+# `Any`: beartype checks a `tuple[X, ...]` by sampling with the global `random` module.)
 Probe = tuple[Any, ...]
+Shape = tuple[Any, ...]
 
 
 class _Hashable:
@@ -74,7 +76,7 @@ class ModFn:
     static: _Hashable  # eqx.partition's static half, or a `_Traced`
     traced: bool = False
 
-    def call(self, args: tuple[Array, ...], arrays: Any) -> Array:
+    def call(self, args: Probe, arrays: Any) -> Array:
         if self.traced:
             return self.static.value(args, arrays)
         return eqx.combine(arrays, self.static.value)(*args)
@@ -85,13 +87,13 @@ class _Traced:
     `jit`, `grad` or `vmap`) were hoisted out as arguments. Specialised to the shapes it
     was traced at, which are the kernels' block shapes (`split_mod`). Hashed by identity."""
 
-    def __init__(self, closed: Any, hoisted: tuple[int, ...]):
+    def __init__(self, closed: Any, hoisted: Shape):
         consts = list(closed.consts)
         for i in hoisted:
             consts[i] = None  # the tracers themselves are not kept
         self.jaxpr, self.consts, self.hoisted = closed.jaxpr, consts, hoisted
 
-    def __call__(self, args: tuple[Array, ...], arrays: Any) -> Array:
+    def __call__(self, args: Probe, arrays: Any) -> Array:
         leaves, hoisted = arrays
         consts = list(self.consts)
         for i, value in zip(self.hoisted, hoisted, strict=True):
@@ -180,7 +182,7 @@ def check_score_mod(
 
 
 def check_mask_mod(
-    mask_mod: Callable[..., Any], probe: Probe, block: tuple[int, ...]
+    mask_mod: Callable[..., Any], probe: Probe, block: Shape
 ) -> tuple[ModFn, Any]:
     """Split `mask_mod` (`split_mod`: `(static, arrays)`), checking it returns booleans
     that broadcast to a block of shape `block`."""
@@ -247,14 +249,14 @@ def block_indices(
     return head_ids // flex.heads, head_ids % flex.heads, q_pos, k_pos
 
 
-def apply_score(flex: Flex, arrays: FlexArrays, s: Array, idx: tuple[Array, ...]) -> Array:
+def apply_score(flex: Flex, arrays: FlexArrays, s: Array, idx: Probe) -> Array:
     assert flex.score is not None
     params = eqx.combine(arrays.score, arrays.score_const)
     return flex.score.call((s, *idx), params)
 
 
 def mask_of(
-    flex: Flex, arrays: FlexArrays, idx: tuple[Array, ...], shape: tuple[int, ...]
+    flex: Flex, arrays: FlexArrays, idx: Probe, shape: Shape
 ) -> Bool[Array, "..."]:
     """`mask_mod` on one block, broadcast to `shape`."""
     assert flex.mask is not None

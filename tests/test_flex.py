@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
 
 import eqx_flash
 from eqx_flash import (
@@ -19,6 +20,7 @@ from eqx_flash import (
     plain_attention,
 )
 from eqx_flash._position_bias import relative_position_bucket
+from eqx_flash.testing import attention_inputs, check_attention
 
 B, H, KH, SQ, SK, D = 2, 4, 2, 40, 56, 16
 BLOCKS = dict(block_q=16, block_k=24)  # several blocks, neither length a multiple
@@ -549,3 +551,31 @@ def test_gradient_of_vmapped_bias_and_score_mod():
     expected = jax.grad(lambda *a: loss(plain_attention, *a), argnums=(0, 1, 2))(q, bias, table)
     for g, e in zip(got, expected, strict=True):
         np.testing.assert_allclose(g, e, atol=1e-4 * max(float(jnp.abs(e).max()), 1.0))
+
+
+# --- property test ------------------------------------------------------------------------------
+
+
+@settings(max_examples=10)
+@given(inputs=attention_inputs(score_mod=True, mask_mod=None, dtypes=(jnp.float32,),
+                               max_seq=64))
+def test_property_score_and_mask_mods(inputs):
+    """Values, lse and gradients (q, k, v and the score_mod's arrays) against
+    `plain_attention` over the strategy's families, with every other feature drawn too."""
+    check_attention(flash_attention, inputs)
+
+
+def test_checker_compares_score_mod_gradients():
+    """`check_attention` differentiates the score_mod's arrays: a function that drops
+    their gradients is caught, by name."""
+    from eqx_flash.testing import AttentionInputs, HeadScaling
+
+    q, k, v = _qkv()
+    inputs = AttentionInputs(q, k, v, dict(score_mod=HeadScaling(1.0 + 0.3 * _normal(6, (H,)))))
+    check_attention(flash_attention, inputs)
+
+    def frozen(q, k, v, score_mod, **kwargs):
+        return flash_attention(q, k, v, score_mod=jax.lax.stop_gradient(score_mod), **kwargs)
+
+    with pytest.raises(AssertionError, match=r"dscore_mod\.scales"):
+        check_attention(frozen, inputs)
