@@ -128,7 +128,8 @@ def _trace(name: str, call: Callable[..., Any], probe: Probe, leaves: Any):
     try:
         return jax.make_jaxpr(call)(probe, leaves)
     except (TypeError, ValueError, IndexError) as e:
-        raise type(e)(
+        kind = TypeError if isinstance(e, TypeError) else ValueError
+        raise kind(
             f"{name} failed on a block of arguments of shapes {[x.shape for x in probe]} "
             f"(elementwise functions of broadcasting arrays are expected): {e}"
         ) from e

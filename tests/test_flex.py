@@ -579,3 +579,27 @@ def test_checker_compares_score_mod_gradients():
 
     with pytest.raises(AssertionError, match=r"dscore_mod\.scales"):
         check_attention(frozen, inputs)
+
+
+def test_with_lengths_and_block_mask():
+    """Variable lengths with a score_mod, a mask_mod and its block_mask."""
+    q, k, v = _qkv()
+    table = 0.5 * _normal(5, (H, SQ + SK + 1))
+    mask_mod = MASK_MODS["random_blocks"]()
+    block_mask = make_block_mask(mask_mod, (B,), H, SQ, SK, **BLOCKS)
+    lengths = dict(q_lengths=jnp.asarray([SQ, 17]), kv_lengths=jnp.asarray([30, SK]))
+
+    def kwargs(p):
+        return dict(score_mod=relative_table(p), mask_mod=mask_mod, causal=True, **lengths)
+
+    def flash(*a, **kw):
+        return _flash(*a, block_mask=block_mask, **kw)
+
+    _assert_all_close(_values_and_grads(flash, q, k, v, table, kwargs),
+                      _values_and_grads(plain_attention, q, k, v, table, kwargs))
+
+
+def test_failing_score_mod_names_itself():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="score_mod failed on a block"):
+        _flash(q, k, v, score_mod=lambda s, b, h, i, j: s + jnp.zeros((7, 5)))
