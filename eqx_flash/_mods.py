@@ -135,6 +135,19 @@ def _trace(name: str, call: Callable[..., Any], probe: Probe, leaves: Any):
         ) from e
 
 
+def _sub_jaxprs(params: dict[str, Any]) -> list[Any]:
+    """The jaxprs among a higher-order primitive's parameters (`jit`, `custom_jvp_call`,
+    ...)."""
+    found = []
+    for value in params.values():
+        for x in value if isinstance(value, tuple | list) else (value,):
+            if isinstance(x, jex.core.ClosedJaxpr):
+                found.append(x.jaxpr)
+            elif isinstance(x, jex.core.Jaxpr):
+                found.append(x)
+    return found
+
+
 def _mixes_elements(jaxpr: Any, tainted: set) -> str | None:
     """The first primitive in `jaxpr` that mixes elements of the tainted inputs (None)."""
     for eqn in jaxpr.eqns:
@@ -143,7 +156,7 @@ def _mixes_elements(jaxpr: Any, tainted: set) -> str | None:
             continue
         if eqn.primitive.name in _MIXING:
             return eqn.primitive.name
-        for sub in jex.core.jaxprs_in_params(eqn.params):
+        for sub in _sub_jaxprs(eqn.params):
             if len(sub.invars) == len(eqn.invars):
                 inner = {v for v, h in zip(sub.invars, hit, strict=True) if h}
                 found = _mixes_elements(sub, inner)
