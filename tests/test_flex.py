@@ -603,3 +603,20 @@ def test_failing_score_mod_names_itself():
     q, k, v = _qkv()
     with pytest.raises(ValueError, match="score_mod failed on a block"):
         _flash(q, k, v, score_mod=lambda s, b, h, i, j: s + jnp.zeros((7, 5)))
+
+
+def test_block_mask_limits_follow_the_band():
+    """With a block_mask, each outer block loops over the range between its first and last
+    non-empty inner block: for causal, exactly `causal=True`'s static band."""
+    from eqx_flash._masking import Masks
+    from eqx_flash._options import Window
+    from eqx_flash._schedule import band_ranges, block_mask_limits
+
+    causal = lambda b, h, i, j: j <= i + OFFSET  # noqa: E731
+    flags = make_block_mask(causal, (), 1, SQ, SK, **BLOCKS).flags.reshape(1, 3, 3)
+    for by in ("q", "k"):
+        limits = block_mask_limits(Masks(block_flags=flags), by)
+        assert limits is not None
+        band = band_ranges(SQ, SK, 16, 24, Window(None, 0), OFFSET, by=by)
+        np.testing.assert_array_equal(limits[0], band.lo, err_msg=by)
+        np.testing.assert_array_equal(limits[1], band.hi, err_msg=by)
