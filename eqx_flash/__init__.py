@@ -1,5 +1,7 @@
 import importlib.metadata
 
+from ._block_mask import BlockMask as BlockMask
+from ._block_mask import make_block_mask as make_block_mask
 from ._cache import KVCache as KVCache
 from ._cache import rotary as rotary
 from ._cosine import cosine_sim_flash_attention as cosine_sim_flash_attention
@@ -7,6 +9,8 @@ from ._flash import causal_flash_attention as causal_flash_attention
 from ._flash import flash_attention as flash_attention
 from ._modules import FlashAttention as FlashAttention
 from ._modules import FlashMultiheadAttention as FlashMultiheadAttention
+from ._position_bias import ALiBi as ALiBi
+from ._position_bias import RelativePositionBias as RelativePositionBias
 from ._reference import plain_attention as plain_attention
 from ._ring import ring_flash_attention as ring_flash_attention
 from ._sanity import value_and_grad_difference as value_and_grad_difference

@@ -18,27 +18,28 @@ over query blocks) -> `_query_step` (one block pair).
 """
 
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
 from ._block import (
-    allowed,
     dropout_multiplier,
+    flex_indices,
     folds_scale,
     logits_t,
     matmul_t,
     positions,
     scaled,
     score_terms,
-    skip_if_empty,
     transposed,
+    visit,
 )
 from ._config import KernelConfig, stat_dtype
 from ._heads import Head, per_head
 from ._masking import Masks
+from ._mods import NO_FLEX, FlexArrays, apply_score
 from ._schedule import Bands, band_ranges, over_band, run_limits
 from ._scores import ScoreMods, accumulate
 from ._softmax import finite_lse
@@ -72,6 +73,7 @@ class _HeadInputs(NamedTuple):
     head: Head
     seed: Array | None
     has_data_mask: bool
+    flex: FlexArrays
     query: _QueryBlocks
     groups: int
     dtype: jnp.dtype  # of q and k (the products' operands)
@@ -79,6 +81,7 @@ class _HeadInputs(NamedTuple):
 
 
 class _KeyBlock(NamedTuple):
+    number: Array  # j
     start: Array
     k: Array  # (bk, d)
     k_t: Array  # (d, bk)
@@ -96,20 +99,26 @@ def backward(
     d_out: Array,
     masks: Masks,
     seed: Array | None,
-) -> tuple[Array, Array, Array, ScoreMods]:
-    """Cotangents of q, k, v and the score terms `mods` (internal layout) given `lse`
-    and `delta` from `prepare` and the cotangent `d_out` of `out`."""
+    flex: FlexArrays = NO_FLEX,
+) -> tuple[Array, Array, Array, ScoreMods, Any]:
+    """Cotangents of q, k, v, the score terms `mods` (internal layout) and the
+    `score_mod`'s floating arrays `flex.score`, given `lse` and `delta` from `prepare` and
+    the cotangent `d_out` of `out`."""
     bands = band_ranges(cfg.seq_q, cfg.seq_k, cfg.block_q, cfg.block_k, cfg.band_window,
                         cfg.offset, by="k")
-    kernel = functools.partial(_head, cfg, bands, seed, not masks.is_empty)
-    d_q, d_k, d_v, d_mods = per_head(kernel, (masks, mods), (q, k, v, d_out, lse, delta))
+    kernel = functools.partial(_head, cfg, bands, seed, not masks.is_empty, flex)
+    d_q, d_k, d_v, d_mods, d_score = per_head(kernel, (masks, mods),
+                                              (q, k, v, d_out, lse, delta))
 
     def reduce(grad: Array, like: Array) -> Array:
         """Per-(batch, kv head) cotangents summed where the term broadcast over them."""
         axes = tuple(a for a in (0, 1) if like.shape[a] == 1)
         return grad.sum(axis=axes, keepdims=True).astype(like.dtype)
 
-    return d_q, d_k, d_v, jax.tree.map(reduce, d_mods, mods)
+    # The score_mod's arrays are shared by every (batch, kv head): sum their cotangents.
+    d_score = jax.tree.map(lambda g, p: g.sum(axis=(0, 1)).astype(p.dtype), d_score,
+                           flex.score)
+    return d_q, d_k, d_v, jax.tree.map(reduce, d_mods, mods), d_score
 
 
 def _cut(x: Array, block: int) -> tuple[Array, Array]:
@@ -121,9 +130,9 @@ def _cut(x: Array, block: int) -> tuple[Array, Array]:
 
 
 def _head(
-    cfg: KernelConfig, bands: Bands, seed: Array | None, has_data_mask: bool, head: Head,
-    arrays: tuple[Array, ...],
-) -> tuple[Array, Array, Array, ScoreMods]:
+    cfg: KernelConfig, bands: Bands, seed: Array | None, has_data_mask: bool,
+    flex: FlexArrays, head: Head, arrays: tuple[Array, ...],
+) -> tuple[Array, Array, Array, ScoreMods, Any]:
     q, k, v, d_out, lse, delta = arrays
     stat = stat_dtype(q.dtype)
     groups, seq_q_pad, dim = q.shape
@@ -134,7 +143,8 @@ def _head(
         *_cut(scaled(cfg, q), bq), *_cut(d_out, bq),
         _cut(lse[..., None], bq)[1], _cut(delta[..., None], bq)[1],
     )
-    inputs = _HeadInputs(cfg, head, seed, has_data_mask, query, groups, q.dtype, v.dtype)
+    inputs = _HeadInputs(cfg, head, seed, has_data_mask, flex, query, groups, q.dtype,
+                         v.dtype)
     keys = (k.reshape(num_k, bk, dim), v.reshape(num_k, bk, dim_v))
     limits = run_limits(cfg, head.masks, by="k")
 
@@ -142,60 +152,89 @@ def _head(
         return _key_block(inputs, bands, limits, keys, carry, j)
 
     d_mods = jax.tree.map(lambda m: jnp.zeros_like(m, stat), head.mods)
-    (dq_cols, d_mods), (d_k, d_v) = jax.lax.scan(
-        key_block, (jnp.zeros_like(query.q_cols, stat), d_mods),
+    # The score_mod's arrays' cotangents accumulate in the statistics dtype.
+    d_score = jax.tree.map(lambda p: jnp.zeros_like(p, stat), flex.score)
+    (dq_cols, d_mods, d_score), (d_k, d_v) = jax.lax.scan(
+        key_block, (jnp.zeros_like(query.q_cols, stat), d_mods, d_score),
         jnp.arange(num_k, dtype=jnp.int32),
     )
     # (num_q, d, g * bq) -> (g, seq_q, d)
     d_q = dq_cols.reshape(num_q, dim, groups, bq).transpose(2, 0, 3, 1)
     d_q = d_q.reshape(groups, seq_q_pad, dim) * jnp.asarray(cfg.scale, stat)
     d_k, d_v = d_k.reshape(seq_k_pad, dim), d_v.reshape(seq_k_pad, dim_v)
-    return d_q.astype(q.dtype), d_k, d_v, d_mods
+    return d_q.astype(q.dtype), d_k, d_v, d_mods, d_score
+
+
+_Carry = tuple[Array, Array, Array, ScoreMods, Any]  # dq (transposed), dk, dv, d_mods, d_score
 
 
 def _key_block(
     inputs: _HeadInputs, bands: Bands, limits: tuple[Array, Array] | None,
-    keys: tuple[Array, Array], carry: tuple[Array, ScoreMods], j: Array,
-) -> tuple[tuple[Array, ScoreMods], tuple[Array, Array]]:
-    """Key block `j`'s dk and dv, adding its share of dq (and of the score terms'
-    cotangents) into the carry."""
+    keys: tuple[Array, Array], carry: tuple[Array, ScoreMods, Any], j: Array,
+) -> tuple[tuple[Array, ScoreMods, Any], tuple[Array, Array]]:
+    """Key block `j`'s dk and dv, adding its share of dq (and of the score terms' and
+    the score_mod's cotangents) into the carry."""
     cfg = inputs.cfg
-    dq_cols, d_mods = carry
+    dq_cols, d_mods, d_score = carry
     stat = dq_cols.dtype
     k_blk, v_blk = keys[0][j], keys[1][j]
-    block = _KeyBlock(j * cfg.block_k, k_blk, k_blk.T, v_blk)
+    block = _KeyBlock(j, j * cfg.block_k, k_blk, k_blk.T, v_blk)
     step = functools.partial(_query_step, inputs, block)
     # `*_like`: under shard_map the state must vary across devices as k and v do.
-    init = (dq_cols, jnp.zeros_like(k_blk, stat), jnp.zeros_like(v_blk, stat), d_mods)
-    dq_cols, dk_b, dv_b, d_mods = over_band(bands, j, step, init, limits)
+    init = (dq_cols, jnp.zeros_like(k_blk, stat), jnp.zeros_like(v_blk, stat), d_mods,
+            d_score)
+    dq_cols, dk_b, dv_b, d_mods, d_score = over_band(bands, j, step, init, limits)
     if not folds_scale(inputs.dtype):
         dk_b = dk_b * jnp.asarray(cfg.scale, stat)  # q was left unscaled
-    return (dq_cols, d_mods), (dk_b.astype(inputs.dtype), dv_b.astype(inputs.v_dtype))
+    return (dq_cols, d_mods, d_score), (dk_b.astype(inputs.dtype),
+                                        dv_b.astype(inputs.v_dtype))
 
 
 def _query_step(
-    inputs: _HeadInputs, block: _KeyBlock, carry: tuple[Array, Array, Array, ScoreMods],
-    i: Array, positional: bool,
-) -> tuple[Array, Array, Array, ScoreMods]:
+    inputs: _HeadInputs, block: _KeyBlock, carry: _Carry, i: Array, positional: bool,
+) -> _Carry:
     """Add query block `i`'s contribution to the gradients of one key block."""
     cfg = inputs.cfg
-    q_start = i * cfg.block_q
-    mask = allowed(cfg, inputs.head.masks, q_start, block.start, positional)
-    mask = transposed(mask, inputs.groups, cfg.block_q)
-    update = functools.partial(_update, inputs, block, q_start, mask, i)
-    return skip_if_empty(mask, inputs.has_data_mask, update, carry)
+    update = functools.partial(_update, inputs, block, i * cfg.block_q, i)
+    return visit(cfg, inputs.head, inputs.flex, i, block.number, positional,
+                 inputs.has_data_mask, update, carry,
+                 orient=lambda m: transposed(m, inputs.groups, cfg.block_q))
+
+
+def _score_mod_t(inputs: _HeadInputs, q_start: Array, k_start: Array, vjps: list):
+    """The block's `score_mod` on transposed logits `(bk, g * bq)`; its VJP (to the
+    logits and the score_mod's arrays) is left in `vjps`. None without a score_mod."""
+    cfg, groups = inputs.cfg, inputs.groups
+    if cfg.flex is None or cfg.flex.score is None:
+        return None
+    flex_cfg = cfg.flex
+    idx = flex_indices(cfg, inputs.head, q_start, k_start)
+
+    def mod_t(s_t: Array) -> Array:
+        def on_rows(s_t, diff):  # the score_mod sees the forward's layout, (g, bq, bk)
+            s = s_t.reshape(cfg.block_k, groups, cfg.block_q).transpose(1, 2, 0)
+            out = apply_score(flex_cfg, inputs.flex._replace(score=diff), s, idx)
+            return out.transpose(2, 0, 1).reshape(cfg.block_k, groups * cfg.block_q)
+
+        out, vjp = jax.vjp(on_rows, s_t, inputs.flex.score)
+        vjps.append(vjp)
+        return out
+
+    return mod_t
 
 
 def _update(
-    inputs: _HeadInputs, block: _KeyBlock, q_start: Array, mask: Array | None, i: Array,
-    carry: tuple[Array, Array, Array, ScoreMods],
-) -> tuple[Array, Array, Array, ScoreMods]:
+    inputs: _HeadInputs, block: _KeyBlock, q_start: Array, i: Array, mask: Array | None,
+    carry: _Carry,
+) -> _Carry:
     cfg, query, head = inputs.cfg, inputs.query, inputs.head
-    dq_cols, dk_b, dv_b, d_mods = carry
+    dq_cols, dk_b, dv_b, d_mods, d_score = carry
     stat = dk_b.dtype
     add = score_terms(cfg, head, q_start, block.start, stat)
     add_t = transposed(add, inputs.groups, cfg.block_q)
-    s, t = logits_t(cfg, block.k, query.q_rows[i], query.q_cols[i], add_t)
+    vjps: list = []
+    mod_t = _score_mod_t(inputs, q_start, block.start, vjps)
+    s, t = logits_t(cfg, block.k, query.q_rows[i], query.q_cols[i], add_t, mod_t)
     if mask is not None:
         s = jnp.where(mask, s, -jnp.inf)
     p = jnp.exp(s - query.lse_cols[i])
@@ -210,6 +249,9 @@ def _update(
     ds = p * (dp - query.delta_cols[i])
     if t is not None:
         ds = ds * (1.0 - t * t)
+    if vjps:  # through the score_mod: ds becomes the cotangent of its input
+        ds, d_part = vjps[0](ds)
+        d_score = jax.tree.map(lambda a, g: a + g.astype(a.dtype), d_score, d_part)
     if not head.mods.is_empty:  # ds is the cotangent of the score terms too
         d_scores = ds.reshape(cfg.block_k, inputs.groups, cfg.block_q).transpose(1, 2, 0)
         q_pos, k_pos = positions(cfg, q_start, block.start)
@@ -220,4 +262,4 @@ def _update(
     dk_b = dk_b + jnp.matmul(ds, query.q_rows[i], preferred_element_type=stat)
     dq_blk = dq_cols[i] + jnp.matmul(block.k_t, ds, preferred_element_type=stat)
     dq_cols = jax.lax.dynamic_update_index_in_dim(dq_cols, dq_blk, i, axis=0)
-    return dq_cols, dk_b, dv_b, d_mods
+    return dq_cols, dk_b, dv_b, d_mods, d_score

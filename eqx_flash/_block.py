@@ -6,6 +6,7 @@ rows (see `_heads`). The backward kernel works on transposed blocks
 `(block_k, groups * block_q)`; `transposed` brings any per-block array into that form.
 """
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +17,7 @@ from jaxtyping import Array
 from ._config import KernelConfig, stat_dtype
 from ._heads import Head
 from ._masking import Masks, data_mask, dropout_keep, length_mask, lengths_or, positional_mask
+from ._mods import FlexArrays, apply_score, block_indices, mask_of
 from ._scores import additive
 
 
@@ -46,30 +48,35 @@ def matmul(a: Array, b: Array, spec: str, dtype: jnp.dtype) -> Array:
     return out.reshape(groups, rows_, out.shape[-1])
 
 
+ScoreFn = Callable[[Array], Array]
+
+
 def logits(
-    cfg: KernelConfig, q_blk: Array, k_blk: Array, add: Array | None
+    cfg: KernelConfig, q_blk: Array, k_blk: Array, add: Array | None,
+    mod: ScoreFn | None = None,
 ) -> tuple[Array, Array | None]:
     """Logits `(groups, block_q, block_k)` in the statistics dtype, from queries passed
     through `scaled` (so the scale is applied once, wherever `scaled` put it), plus the
-    score terms `add` (`score_terms`), then soft-capped.
+    score terms `add` (`score_terms`), through the `score_mod` `mod`, then soft-capped.
 
     Returns `(s, tanh)`: the capped logits and, with a softcap, the tanh the backward
     pass needs for the cap's derivative.
     """
     stat = stat_dtype(q_blk.dtype)
     s = matmul(q_blk, k_blk, "qd,kd->qk", stat)
-    return _scale_and_cap(cfg, s, q_blk.dtype, add)
+    return _scale_and_cap(cfg, s, q_blk.dtype, add, mod)
 
 
 def logits_t(
-    cfg: KernelConfig, k_blk: Array, q_rows: Array, q_cols: Array, add_t: Array | None
+    cfg: KernelConfig, k_blk: Array, q_rows: Array, q_cols: Array, add_t: Array | None,
+    mod_t: ScoreFn | None = None,
 ) -> tuple[Array, Array | None]:
     """`logits` transposed, `(block_k, groups * block_q)`, from a key block `(block_k, d)`
     and the query block as rows `(groups * block_q, d)` and transposed
-    `(d, groups * block_q)`; `add_t` is `transposed`."""
+    `(d, groups * block_q)`; `add_t` is `transposed`, `mod_t` works on this layout."""
     stat = stat_dtype(q_cols.dtype)
     s = matmul_t(k_blk, q_rows, q_cols, stat)
-    return _scale_and_cap(cfg, s, q_cols.dtype, add_t)
+    return _scale_and_cap(cfg, s, q_cols.dtype, add_t, mod_t)
 
 
 # XLA's CPU dot picks its kernel, and with it the order it sums over `d`, by the shapes of
@@ -95,13 +102,15 @@ def matmul_t(a: Array, b_rows: Array, b_cols: Array, dtype: jnp.dtype) -> Array:
 
 
 def _scale_and_cap(
-    cfg: KernelConfig, s: Array, dtype: jnp.dtype, add: Array | None
+    cfg: KernelConfig, s: Array, dtype: jnp.dtype, add: Array | None, mod: ScoreFn | None
 ) -> tuple[Array, Array | None]:
     stat = s.dtype
     if not folds_scale(dtype):
         s = s * jnp.asarray(cfg.scale, stat)
     if add is not None:
         s = s + add
+    if mod is not None:
+        s = mod(s)
     if cfg.softcap is None:
         return s, None
     cap = jnp.asarray(cfg.softcap, stat)
@@ -141,6 +150,67 @@ def allowed(
         by_length = length_mask(q_pos, k_pos, q_len, kv_len, cfg.window)
         mask = by_length if mask is None else mask & by_length
     return mask
+
+
+def flex_indices(
+    cfg: KernelConfig, head: Head, q_start: Array, k_start: Array
+) -> tuple[Array, Array, Array, Array]:
+    """`(batch, head, q_idx, kv_idx)` of one block for `score_mod`/`mask_mod`, shaped
+    `(g, 1, 1)`, `(g, 1, 1)`, `(1, bq, 1)`, `(1, 1, bk)` (`_mods.block_probe`)."""
+    assert cfg.flex is not None
+    q_pos, k_pos = positions(cfg, q_start, k_start)
+    return block_indices(cfg.flex, head.head_ids, q_pos, k_pos)
+
+
+def score_fn(
+    cfg: KernelConfig, head: Head, flex: FlexArrays, q_start: Array, k_start: Array
+) -> ScoreFn | None:
+    """The block's `score_mod` as a function of its logits `(g, bq, bk)` (None: none)."""
+    if cfg.flex is None or cfg.flex.score is None:
+        return None
+    idx = flex_indices(cfg, head, q_start, k_start)
+    flex_cfg = cfg.flex
+    return lambda s: apply_score(flex_cfg, flex, s, idx)
+
+
+def visit(
+    cfg: KernelConfig, head: Head, flex: FlexArrays, qb: Array, kb: Array, positional: bool,
+    has_data_mask: bool, compute: Callable[[Array | None, Any], Any], carry: Any,
+    orient: Callable[[Array | None], Array | None] = lambda m: m,
+) -> Any:
+    """`compute(mask, carry)` for block pair `(qb, kb)` with its mask (`allowed`, and the
+    `mask_mod`'s), put in the kernel's layout by `orient`; skipped when the mask is empty.
+
+    With a `block_mask` (`head.masks.block_flags`), its flag decides first: an empty
+    block is skipped without evaluating anything, a full one skips the `mask_mod`.
+    Without one, the `mask_mod` is evaluated on every visited block, and an empty result
+    skips it like an empty data mask (`skip_if_empty`).
+    """
+    q_start, k_start = qb * cfg.block_q, kb * cfg.block_k
+    base = allowed(cfg, head.masks, q_start, k_start, positional)
+
+    def without_mod(c):
+        mask = orient(base)
+        return skip_if_empty(mask, has_data_mask, functools.partial(compute, mask), c)
+
+    if cfg.flex is None or cfg.flex.mask is None:
+        return without_mod(carry)
+    flex_cfg = cfg.flex
+
+    def with_mod(c):
+        idx = flex_indices(cfg, head, q_start, k_start)
+        mod = mask_of(flex_cfg, flex, idx, (head.head_ids.shape[0], cfg.block_q, cfg.block_k))
+        if cfg.seq_q % cfg.block_q:  # padding rows must not keep a block `make_block_mask`
+            mod = mod & (idx[2] < cfg.seq_q)  # calls empty (they are discarded anyway)
+        mask = orient(mod if base is None else base & mod)
+        return skip_if_empty(mask, True, functools.partial(compute, mask), c)
+
+    flags = head.masks.block_flags
+    if flags is None:
+        return with_mod(carry)
+    flag = flags.reshape(flags.shape[-2:])[qb, kb].astype(jnp.int32)
+    # 0 empty, 1 partial, 2 full (`_block_mask`)
+    return jax.lax.switch(flag, [lambda c: c, with_mod, without_mod], carry)
 
 
 def dropout_multiplier(

@@ -10,6 +10,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from ._mods import Flex
 from ._options import AttentionOptions, Window
 from ._shapes import Shapes
 
@@ -59,6 +60,8 @@ class KernelConfig:
     # Flash-decoding: > 1 splits the key blocks into this many parallel runs whose partial
     # results are merged by their lse (`_decode`); 1 is the regular forward.
     splits: int = 1
+    # `score_mod`/`mask_mod` (`_mods`): their static parts; None without them.
+    flex: Flex | None = None
 
     @property
     def offset(self) -> int:

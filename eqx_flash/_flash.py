@@ -19,10 +19,13 @@ from beartype import beartype
 from jaxtyping import Array, PRNGKeyArray, jaxtyped
 
 from ._backward import backward, prepare
-from ._config import KernelConfig, decode_config, kernel_config, kernel_dtype
+from ._block_mask import BlockMask, block_flags_for
+from ._config import KernelConfig, decode_config, kernel_config, kernel_dtype, stat_dtype
 from ._decode import decode_forward, reads_raw_cache
 from ._forward import forward
 from ._masking import Masks, dropout_seed, valid_rows
+from ._mods import NO_FLEX, FlexArrays
+from ._mods import prepare as prepare_mods
 from ._options import make_options
 from ._scores import ScoreMods
 from ._shapes import Shapes, merge_heads, split_heads
@@ -37,12 +40,14 @@ from ._types import (
     KeyMask,
     KeySegmentIds,
     Lengths,
+    MaskMod,
     OptionalReal,
     Output,
     PairMask,
     Query,
     QuerySegmentIds,
     RealNumber,
+    ScoreMod,
     Value,
     WindowLike,
 )
@@ -55,53 +60,63 @@ from ._validation import (
 )
 
 
-def _forward(cfg: KernelConfig, q, k, v, mods: ScoreMods, masks: Masks, seed):
+def _forward(cfg: KernelConfig, q, k, v, mods: ScoreMods, masks: Masks, seed,
+             flex: FlexArrays = NO_FLEX):
     """The forward kernel for `cfg`: flash-decoding when `cfg.splits > 1`
     (`_config.decode_splits`) and there are no score terms, else the regular one."""
     if reads_raw_cache(cfg, not mods.is_empty):
         return decode_forward(cfg, q, k, v, masks, seed)
-    return forward(cfg, q, k, v, mods, masks, seed)
+    return forward(cfg, q, k, v, mods, masks, seed, flex)
 
 
+# `score` is the score_mod's floating arrays (differentiable); `flex` its other arrays and
+# the mask_mod's, with `flex.score` left None.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(cfg: KernelConfig, q, k, v, mods: ScoreMods, masks: Masks, seed):
-    return _forward(cfg, q, k, v, mods, masks, seed)
+def _attention(cfg: KernelConfig, q, k, v, mods: ScoreMods, score, masks: Masks,
+               flex: FlexArrays, seed):
+    return _forward(cfg, q, k, v, mods, masks, seed, flex._replace(score=score))
 
 
-def _attention_fwd(cfg, q, k, v, mods, masks, seed):
-    out, lse = _forward(cfg, q, k, v, mods, masks, seed)
-    return (out, lse), (q, k, v, mods, out, lse, masks, seed)
+def _attention_fwd(cfg, q, k, v, mods, score, masks, flex, seed):
+    out, lse = _forward(cfg, q, k, v, mods, masks, seed, flex._replace(score=score))
+    return (out, lse), (q, k, v, mods, score, out, lse, masks, flex, seed)
 
 
 def _attention_bwd(cfg, residuals, cotangents):
-    q, k, v, mods, out, lse, masks, seed = residuals
+    q, k, v, mods, score, out, lse, masks, flex, seed = residuals
     lse, delta = prepare(out, lse, *cotangents)
-    d_q, d_k, d_v, d_mods = backward(cfg, q, k, v, mods, lse, delta, cotangents[0], masks,
-                                     seed)
-    no_grad = jax.tree.map(lambda _: None, masks)
-    return d_q, d_k, d_v, d_mods, no_grad, None
+    d_q, d_k, d_v, d_mods, d_score = backward(
+        cfg, q, k, v, mods, lse, delta, cotangents[0], masks, seed, flex._replace(score=score)
+    )
+    no_grad = jax.tree.map(lambda _: None, (masks, flex))
+    return d_q, d_k, d_v, d_mods, d_score, *no_grad, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def _attention_without_scores(cfg: KernelConfig, q, k, v, masks: Masks, seed):
-    return _attention(cfg, q, k, v, ScoreMods(), masks, seed)
+    return _attention(cfg, q, k, v, ScoreMods(), None, masks, FlexArrays(), seed)
+
+
+def _reverse_only(names: str) -> Any:
+    return reverse_only(
+        _attention,
+        lambda cfg, args, outs: (*args[:5], *outs, *args[5:]),  # _attention_fwd's residuals
+        _attention_bwd,
+        "forward-mode autodiff (jax.jvp, jax.linearize, jax.jacfwd) through flash_attention "
+        f"with {names} is not supported yet; reverse mode is. For forward mode, leave out "
+        f"{names} or use eqx_flash.plain_attention.",
+        num_diff=5,
+    )
 
 
 # Forward mode on top: a custom_jvp whose tangent transposes into `_attention_bwd`'s kernel
-# (`_tangent`). The tangent kernel has no score terms yet: with a bias or ALiBi, forward
-# mode raises a clear error, and reverse mode is `_attention_bwd` as before.
+# (`_tangent`). The tangent kernel has no score terms yet: with a bias, ALiBi, a score_mod
+# or a mask_mod, forward mode raises a clear error, and reverse mode is `_attention_bwd`.
 _attention_ad = with_forward_mode(_attention_without_scores)
-_attention_scores_ad = reverse_only(
-    _attention,
-    lambda cfg, args, outs: (*args[:4], *outs, *args[4:]),  # _attention_fwd's residuals
-    _attention_bwd,
-    "forward-mode autodiff (jax.jvp, jax.linearize, jax.jacfwd) through flash_attention "
-    "with bias or alibi_slopes is not supported yet; reverse mode is. For forward mode, "
-    "leave out bias/alibi_slopes or use eqx_flash.plain_attention.",
-    num_diff=4,
-)
+_attention_scores_ad = _reverse_only("bias or alibi_slopes")
+_attention_flex_ad = _reverse_only("score_mod or mask_mod (or block_mask)")
 
 
 def _pad_axis(x: Array | None, axis: int, size: int) -> Array | None:
@@ -114,7 +129,8 @@ def _pad_axis(x: Array | None, axis: int, size: int) -> Array | None:
 
 @functools.partial(jax.jit, static_argnames=("cfg", "shapes"))
 def _blockwise(
-    q, k, v, mods: ScoreMods, masks: Masks, seed, *, cfg: KernelConfig, shapes: Shapes
+    q, k, v, mods: ScoreMods, masks: Masks, seed, score, flex: FlexArrays, *,
+    cfg: KernelConfig, shapes: Shapes,
 ):
     dtype = q.dtype
     compute = kernel_dtype(dtype)
@@ -128,14 +144,19 @@ def _blockwise(
     seq_k_pad = -(-cfg.seq_k // cfg.block_k) * cfg.block_k
     q = _pad_axis(q, 3, seq_q_pad)
     k, v = _pad_axis(k, 2, seq_k_pad), _pad_axis(v, 2, seq_k_pad)
+    flags = masks.block_flags  # per block already
     masks, mods = jax.tree.map(
-        lambda m: _pad_axis(_pad_axis(m, -2, seq_q_pad), -1, seq_k_pad), (masks, mods)
+        lambda m: _pad_axis(_pad_axis(m, -2, seq_q_pad), -1, seq_k_pad),
+        (masks._replace(block_flags=None), mods),
     )
+    masks = masks._replace(block_flags=flags)
     # `functools.partial(jax.custom_vjp, ...)` hides the return type from type checkers.
-    if mods.is_empty:
+    if cfg.flex is not None:
+        result = _attention_flex_ad(cfg, q, k, v, mods, score, masks, flex, seed)
+    elif mods.is_empty:
         result = _attention_ad(cfg, q, k, v, masks, seed)
     else:
-        result = _attention_scores_ad(cfg, q, k, v, mods, masks, seed)
+        result = _attention_scores_ad(cfg, q, k, v, mods, None, masks, FlexArrays(), seed)
     out, lse = cast(tuple[Array, Array], result)
     return merge_heads(out[..., : cfg.seq_q, :].astype(dtype), lse[..., : cfg.seq_q], shapes)
 
@@ -162,6 +183,9 @@ def flash_attention(
     key: PRNGKeyArray | None = None,
     bias: Bias | None = None,
     alibi_slopes: AlibiSlopes | None = None,
+    score_mod: ScoreMod | None = None,
+    mask_mod: MaskMod | None = None,
+    block_mask: BlockMask | None = None,
 ) -> tuple[Output, LSE]:
     """Exact attention in blocks, with memory linear in the sequence length.
 
@@ -195,9 +219,26 @@ def flash_attention(
     - `alibi_slopes`: `(heads,)` or `(*batch, heads)`: adds `-slope * |i + seq_k - seq_q
         - j|` to the logit of query `i` and key `j` (FlashAttention-2's ALiBi, aligned
         bottom-right like `causal`), computed in the kernel; differentiable.
+    - `score_mod`: `score_mod(score, batch, head, q_idx, kv_idx) -> score`, elementwise
+        (FlexAttention's): `batch` is the flat row-major index over q's leading batch
+        axes, `head` the query head, `q_idx`/`kv_idx` the positions in q and k. The
+        kernels call it on one block of float32 (float64) scores at a time, with int32
+        index arrays that broadcast against it; it must keep the block's shape and dtype.
+        A plain function, a closure over arrays, or a PyTree such as an `eqx.Module`
+        (`eqx_flash.ALiBi`, `eqx_flash.RelativePositionBias`): gradients flow to q, k, v
+        through its derivative, and to its floating arrays (leaves and closed-over
+        traced arrays), accumulated block by block.
+    - `mask_mod`: `mask_mod(batch, head, q_idx, kv_idx) -> bool`, elementwise, True
+        attends; ANDed with every other mask. Evaluated per block; a block it empties is
+        skipped.
+    - `block_mask`: `eqx_flash.make_block_mask(mask_mod, ...)` for this call's sizes and
+        block sizes (else `ValueError`), given with the same `mask_mod`: blocks it proves
+        empty are never computed, blocks it proves full skip evaluating `mask_mod`.
 
-    Order of operations: `s = scale * q.k + bias + alibi`, then `softcap`, then every
-    mask; dropout after the softmax.
+    Order of operations: `s = scale * q.k + bias + alibi`, then `score_mod`, then
+    `softcap`, then every mask (`mask`, `attn_mask`, `mask_mod`, causal, window, segment
+    ids, lengths); dropout after the softmax. A row that a `mask_mod` empties, or whose
+    `score_mod` scores are all -inf, gets `out = 0`, `lse = -inf` and zero gradients.
 
     **Returns:**
 
@@ -226,9 +267,24 @@ def flash_attention(
     masks = check_lengths(shapes, masks, q_lengths, kv_lengths)
     key = check_dropout_key(options.dropout_rate, key)
     cfg = kernel_config(options, shapes)
-    cfg = decode_config(dataclasses.replace(cfg, lengths=masks.has_lengths))
+    cfg = dataclasses.replace(cfg, lengths=masks.has_lengths)
+    flex_cfg, flex = prepare_mods(score_mod, mask_mod, shapes.heads, shapes.groups,
+                                  cfg.block_q, cfg.block_k, stat_dtype(q.dtype))
+    if block_mask is not None:
+        if mask_mod is None:
+            raise ValueError(
+                "block_mask summarises a mask_mod: pass the mask_mod it was built from as "
+                "mask_mod too; got block_mask without mask_mod"
+            )
+        masks = masks._replace(
+            block_flags=block_flags_for(block_mask, shapes, cfg.block_q, cfg.block_k))
+    if flex_cfg is None:
+        cfg = decode_config(cfg)
+    else:  # the regular kernels, at the block sizes the modifications were traced at
+        cfg = dataclasses.replace(cfg, flex=flex_cfg)
     seed = None if key is None else dropout_seed(key)
-    return _blockwise(q, k, v, mods, masks, seed, cfg=cfg, shapes=shapes)
+    return _blockwise(q, k, v, mods, masks, seed, flex.score, flex._replace(score=None),
+                      cfg=cfg, shapes=shapes)
 
 
 @jaxtyped(typechecker=beartype)

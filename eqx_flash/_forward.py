@@ -19,18 +19,19 @@ from jaxtyping import Array
 
 from . import _softmax
 from ._block import (
-    allowed,
     dropout_multiplier,
     logits,
     matmul,
     rows,
     scaled,
+    score_fn,
     score_terms,
-    skip_if_empty,
+    visit,
 )
 from ._config import KernelConfig, stat_dtype
 from ._heads import Head, per_head
 from ._masking import Masks
+from ._mods import NO_FLEX, FlexArrays
 from ._schedule import Bands, band_ranges, over_band, run_limits
 from ._scores import ScoreMods
 
@@ -42,6 +43,7 @@ class _HeadInputs(NamedTuple):
     head: Head
     seed: Array | None
     has_data_mask: bool
+    flex: FlexArrays  # the score_mod's and mask_mod's arrays
     q: Array  # (groups, seq_q, dim), already `scaled`
     k: Array  # (seq_k, dim)
     v: Array  # (seq_k, dim_v)
@@ -50,22 +52,23 @@ class _HeadInputs(NamedTuple):
 def forward(
     cfg: KernelConfig, q: Array, k: Array, v: Array, mods: ScoreMods, masks: Masks,
     seed: Array | None,
+    flex: FlexArrays = NO_FLEX,
 ) -> tuple[Array, Array]:
     """Returns `out` `(b, h, g, seq_q_padded, dim_v)` in q's dtype and `lse`
     `(b, h, g, seq_q_padded)` in the statistics dtype (-inf for rows with no key)."""
     bands = band_ranges(cfg.seq_q, cfg.seq_k, cfg.block_q, cfg.block_k, cfg.band_window,
                         cfg.offset, by="q")
-    kernel = functools.partial(_head, cfg, bands, seed, not masks.is_empty)
+    kernel = functools.partial(_head, cfg, bands, seed, not masks.is_empty, flex)
     return per_head(kernel, (masks, mods), (q, k, v))
 
 
 def _head(
-    cfg: KernelConfig, bands: Bands, seed: Array | None, has_data_mask: bool, head: Head,
-    arrays: tuple[Array, ...],
+    cfg: KernelConfig, bands: Bands, seed: Array | None, has_data_mask: bool,
+    flex: FlexArrays, head: Head, arrays: tuple[Array, ...],
 ) -> tuple[Array, Array]:
     q, k, v = arrays  # (g, seq_q, d), (seq_k, d), (seq_k, dv)
     groups, seq_q_pad = q.shape[:2]
-    inputs = _HeadInputs(cfg, head, seed, has_data_mask, scaled(cfg, q), k, v)
+    inputs = _HeadInputs(cfg, head, seed, has_data_mask, flex, scaled(cfg, q), k, v)
     limits = run_limits(cfg, head.masks, by="q")
 
     def query_block(_, i):
@@ -89,21 +92,20 @@ def _query_block(
     groups = q_blk.shape[0]
     init = _softmax.start(q_blk, (groups, cfg.block_q, inputs.v.shape[-1]),
                           stat_dtype(q_blk.dtype))
-    step = functools.partial(_key_step, inputs, q_blk, q_start)
+    step = functools.partial(_key_step, inputs, q_blk, i)
     out, lse = _softmax.finish(*over_band(bands, i, step, init, limits))
     return out.astype(inputs.q.dtype), lse
 
 
 def _key_step(
-    inputs: _HeadInputs, q_blk: Array, q_start: Array, state: _softmax.Running, j: Array,
+    inputs: _HeadInputs, q_blk: Array, i: Array, state: _softmax.Running, j: Array,
     positional: bool,
 ) -> _softmax.Running:
-    """Take key block `j` into the running state of one query block."""
+    """Take key block `j` into the running state of query block `i`."""
     cfg = inputs.cfg
-    k_start = j * cfg.block_k
-    mask = allowed(cfg, inputs.head.masks, q_start, k_start, positional)
-    update = functools.partial(_update, inputs, q_blk, q_start, k_start, mask)
-    return skip_if_empty(mask, inputs.has_data_mask, update, state)
+    update = functools.partial(_update, inputs, q_blk, i * cfg.block_q, j * cfg.block_k)
+    return visit(cfg, inputs.head, inputs.flex, i, j, positional, inputs.has_data_mask,
+                 update, state)
 
 
 def _update(
@@ -115,7 +117,8 @@ def _update(
     k_blk = rows(inputs.k, k_start, cfg.block_k, 0)
     v_blk = rows(inputs.v, k_start, cfg.block_k, 0)
     add = score_terms(cfg, inputs.head, q_start, k_start, stat)
-    s, _ = logits(cfg, q_blk, k_blk, add)
+    mod = score_fn(cfg, inputs.head, inputs.flex, q_start, k_start)
+    s, _ = logits(cfg, q_blk, k_blk, add, mod)
     if mask is not None:
         s = jnp.where(mask, s, -jnp.inf)
     p, alpha, row_max, row_sum = _softmax.rescale(state, s)

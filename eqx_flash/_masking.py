@@ -27,6 +27,9 @@ class Masks(NamedTuple):
     # Valid lengths (right padding), `(batch|1, 1, 1, 1, 1)` int32; see `length_mask`.
     q_lengths: Array | None = None
     kv_lengths: Array | None = None
+    # A `mask_mod`'s block summary (`_block_mask`), `(batch|1, kv_heads|1, 1, num_q,
+    # num_k)` int8: per block, not per position, so never padded or sliced as the rest.
+    block_flags: Array | None = None
 
     @property
     def has_lengths(self) -> bool:
@@ -34,7 +37,8 @@ class Masks(NamedTuple):
 
     @property
     def is_empty(self) -> bool:
-        return all(m is None for m in self)
+        """No data-dependent mask on positions (the block summary is not one)."""
+        return all(m is None for m in self._replace(block_flags=None))
 
 
 def positional_mask(

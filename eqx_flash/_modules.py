@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, jaxtyped
 
+from ._block_mask import BlockMask
 from ._cache import KVCache
 from ._flash import flash_attention
 from ._options import check_rate, make_options
@@ -25,8 +26,10 @@ from ._types import (
     BlockSize,
     Flag,
     Lengths,
+    MaskMod,
     OptionalReal,
     RealNumber,
+    ScoreMod,
     WindowLike,
 )
 
@@ -85,6 +88,18 @@ def _dropout_rate(p: Any, inference: bool, key: PRNGKeyArray | None) -> float:
     return p
 
 
+def _modifications(
+    module: Any, score_mod: ScoreMod | None, mask_mod: MaskMod | None,
+    block_mask: BlockMask | None,
+) -> dict[str, Any]:
+    """The `score_mod`/`mask_mod` of one call: given at call time, else the module's."""
+    return dict(
+        score_mod=module.score_mod if score_mod is None else score_mod,
+        mask_mod=module.mask_mod if mask_mod is None else mask_mod,
+        block_mask=block_mask,
+    )
+
+
 def _attend(
     q: Array, k: Array, v: Array, mask: Array | None, options: dict[str, Any],
     dropout_rate: float, key: PRNGKeyArray | None, per_call: dict[str, Any],
@@ -123,6 +138,10 @@ class FlashAttention(eqx.Module):
     # Not static, as in eqx.nn.Dropout: eqx.nn.inference_mode replaces `inference`.
     dropout_p: float
     inference: bool
+    # Not static: an `eqx.Module` modification (`RelativePositionBias`) trains with the
+    # model; a plain function is a non-array leaf (static under `eqx.filter_jit`).
+    score_mod: ScoreMod | None
+    mask_mod: MaskMod | None
 
     def __init__(
         self,
@@ -135,6 +154,8 @@ class FlashAttention(eqx.Module):
         block_k: BlockSize = None,
         dropout_p: RealNumber = 0.0,
         inference: bool = False,
+        score_mod: ScoreMod | None = None,
+        mask_mod: MaskMod | None = None,
     ):
         """**Arguments:**
 
@@ -146,7 +167,12 @@ class FlashAttention(eqx.Module):
         - `block_q`, `block_k`: block sizes (default: tuned for CPU).
         - `dropout_p`: dropout probability on the attention weights, in `[0, 1)`.
         - `inference`: if `True`, no dropout. Overridable per call.
+        - `score_mod`, `mask_mod`: as in `flash_attention` (the module works on one
+            example, so `batch` is 0); an `eqx.Module` such as `RelativePositionBias`
+            trains with the model. Replaceable per call.
         """
+        self.score_mod = score_mod
+        self.mask_mod = mask_mod
         self.causal = causal
         self.window = _normalise_window(window)
         self.softcap = softcap
@@ -174,6 +200,9 @@ class FlashAttention(eqx.Module):
         kv_lengths: Lengths | None = None,
         bias: Bias | None = None,
         alibi_slopes: AlibiSlopes | None = None,
+        score_mod: ScoreMod | None = None,
+        mask_mod: MaskMod | None = None,
+        block_mask: BlockMask | None = None,
     ) -> Float[Array, "heads seq_q dim_v"]:
         """**Arguments:**
 
@@ -187,6 +216,9 @@ class FlashAttention(eqx.Module):
         - `q_lengths`, `kv_lengths`, `bias`, `alibi_slopes`: as in `flash_attention`, for
             this one example: the lengths are integer scalars (`vmap` them with the batch),
             `bias` broadcasts to `(heads, seq_q, seq_k)`, `alibi_slopes` is `(heads,)`.
+        - `score_mod`, `mask_mod`: for this call instead of the module's.
+        - `block_mask`: `make_block_mask(mask_mod, (), heads, seq_q, seq_k, block_q,
+            block_k)` of the `mask_mod` in use, for this example's sizes.
 
         **Returns:**
 
@@ -197,7 +229,8 @@ class FlashAttention(eqx.Module):
         return _attend(
             q, k, v, mask, self._options(), rate, key,
             dict(q_lengths=q_lengths, kv_lengths=kv_lengths, bias=bias,
-                 alibi_slopes=alibi_slopes),
+                 alibi_slopes=alibi_slopes,
+                 **_modifications(self, score_mod, mask_mod, block_mask)),
         )
 
     def _options(self) -> dict[str, Any]:
@@ -240,6 +273,9 @@ class FlashMultiheadAttention(eqx.Module):
     softcap: float | None = eqx.field(static=True)
     block_q: int | None = eqx.field(static=True)
     block_k: int | None = eqx.field(static=True)
+    # Not static: an `eqx.Module` modification trains with the model (see FlashAttention).
+    score_mod: ScoreMod | None
+    mask_mod: MaskMod | None
 
     def __init__(
         self,
@@ -264,6 +300,8 @@ class FlashMultiheadAttention(eqx.Module):
         softcap: OptionalReal = None,
         block_q: BlockSize = None,
         block_k: BlockSize = None,
+        score_mod: ScoreMod | None = None,
+        mask_mod: MaskMod | None = None,
         key: PRNGKeyArray,
     ):
         """**Arguments:**
@@ -283,6 +321,9 @@ class FlashMultiheadAttention(eqx.Module):
         - `num_kv_heads`: key/value heads (default `num_heads`); must divide
             `num_heads`. Fewer gives grouped-query attention, 1 multi-query.
         - `causal`, `window`, `softcap`, `block_q`, `block_k`: as in `flash_attention`.
+        - `score_mod`, `mask_mod`: as in `flash_attention`, on the projected heads (`batch`
+            is 0, `head` the query head); an `eqx.Module` such as `RelativePositionBias`
+            trains with the layer. Replaceable per call.
         - `key`: PRNG key for the initialisation.
         """
         # Checked before any size is derived or any Linear is built with a bad size.
@@ -330,6 +371,8 @@ class FlashMultiheadAttention(eqx.Module):
         self.softcap = softcap
         self.block_q = block_q
         self.block_k = block_k
+        self.score_mod = score_mod
+        self.mask_mod = mask_mod
 
     def __check_init__(self):
         _check_heads(self.num_heads, self.num_kv_heads)
@@ -351,18 +394,22 @@ class FlashMultiheadAttention(eqx.Module):
         **Arguments:**
 
         - `mha`: the module to convert.
-        - `**flash_options`: any of `causal`, `window`, `softcap`, `block_q`, `block_k`.
+        - `**flash_options`: any of `causal`, `window`, `softcap`, `block_q`, `block_k`,
+            `score_mod`, `mask_mod`.
 
         **Returns:**
 
         A `FlashMultiheadAttention` sharing `mha`'s projections and dropout.
         """
-        allowed = {"causal", "window", "softcap", "block_q", "block_k"}
+        allowed = {"causal", "window", "softcap", "block_q", "block_k", "score_mod",
+                   "mask_mod"}
         unknown = set(flash_options) - allowed
         if unknown:
             raise TypeError(
                 f"from_eqx got unexpected options {sorted(unknown)}; allowed: {sorted(allowed)}"
             )
+        # The modifications may hold arrays: put them in after the abstract build.
+        mods = (flash_options.pop("score_mod", None), flash_options.pop("mask_mod", None))
         # Build the shell abstractly (no random init), then put mha's own leaves in it.
         shell = eqx.filter_eval_shape(
             cls,
@@ -382,9 +429,12 @@ class FlashMultiheadAttention(eqx.Module):
             **flash_options,
         )
         return eqx.tree_at(
-            lambda m: (m.query_proj, m.key_proj, m.value_proj, m.output_proj, m.dropout),
+            lambda m: (m.query_proj, m.key_proj, m.value_proj, m.output_proj, m.dropout,
+                       m.score_mod, m.mask_mod),
             shell,
-            (mha.query_proj, mha.key_proj, mha.value_proj, mha.output_proj, mha.dropout),
+            (mha.query_proj, mha.key_proj, mha.value_proj, mha.output_proj, mha.dropout,
+             *mods),
+            is_leaf=lambda x: x is None,
         )
 
     @jaxtyped(typechecker=beartype)
@@ -403,6 +453,9 @@ class FlashMultiheadAttention(eqx.Module):
         kv_lengths: Lengths | None = None,
         bias: Bias | None = None,
         alibi_slopes: AlibiSlopes | None = None,
+        score_mod: ScoreMod | None = None,
+        mask_mod: MaskMod | None = None,
+        block_mask: BlockMask | None = None,
     ) -> Float[Array, "seq_q output_size"]:
         """**Arguments:**
 
@@ -424,6 +477,9 @@ class FlashMultiheadAttention(eqx.Module):
             `bias` broadcasts to `(num_heads, seq_q, seq_k)`, `alibi_slopes` is
             `(num_heads,)`. A query row at or past `q_lengths` attends to nothing, so its
             output is the output projection of zeros.
+        - `score_mod`, `mask_mod`: for this call instead of the layer's.
+        - `block_mask`: `make_block_mask(mask_mod, (), num_heads, seq_q, seq_k, block_q,
+            block_k, kv_heads=num_kv_heads)` of the `mask_mod` in use.
 
         **Returns:**
 
@@ -461,7 +517,8 @@ class FlashMultiheadAttention(eqx.Module):
                 jnp.swapaxes(q, 0, 1), jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1), mask,
                 self._options(), rate, key,
                 dict(q_lengths=q_lengths, kv_lengths=kv_lengths, bias=bias,
-                     alibi_slopes=alibi_slopes),
+                     alibi_slopes=alibi_slopes,
+                     **_modifications(self, score_mod, mask_mod, block_mask)),
             )
             attn = jnp.swapaxes(heads, 0, 1).reshape(query.shape[0], -1)
             return jax.vmap(self.output_proj)(attn)
@@ -517,6 +574,11 @@ class FlashMultiheadAttention(eqx.Module):
         `ValueError` if the cache does not fit the layer, or is rolling while the layer's
         window is not causal or reaches further back than the buffer.
         """
+        if self.score_mod is not None or self.mask_mod is not None:
+            raise NotImplementedError(
+                "decode with a score_mod or mask_mod is not supported yet; got "
+                f"score_mod={self.score_mod!r}, mask_mod={self.mask_mod!r}"
+            )
         expected = (self.num_kv_heads, self.qk_size, self.vo_size)
         got = (cache.k.shape[0], cache.k.shape[2], cache.v.shape[2])
         if got != expected:

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import PRNGKeyArray, jaxtyped
 
+from ._block_mask import BlockMask, block_flags_for
 from ._config import stat_dtype
 from ._masking import (
     data_mask,
@@ -20,6 +21,7 @@ from ._masking import (
     positional_mask,
     valid_rows,
 )
+from ._mods import block_probe, check_mask_mod, check_score_mod, grid_indices
 from ._options import make_options
 from ._scores import additive
 from ._shapes import merge_heads, split_heads
@@ -33,12 +35,14 @@ from ._types import (
     KeyMask,
     KeySegmentIds,
     Lengths,
+    MaskMod,
     OptionalReal,
     Output,
     PairMask,
     Query,
     QuerySegmentIds,
     RealNumber,
+    ScoreMod,
     Value,
     WindowLike,
 )
@@ -71,10 +75,18 @@ def plain_attention(
     key: PRNGKeyArray | None = None,
     bias: Bias | None = None,
     alibi_slopes: AlibiSlopes | None = None,
+    score_mod: ScoreMod | None = None,
+    mask_mod: MaskMod | None = None,
+    block_mask: BlockMask | None = None,
 ) -> tuple[Output, LSE]:
     """Reference attention with exactly the semantics of `flash_attention` (which see,
-    also for `bias` and `alibi_slopes`),
-    computed by materialising every logit, in float32 (float64 for float64 inputs)."""
+    also for `bias`, `alibi_slopes`, `score_mod`, `mask_mod` and `block_mask`),
+    computed by materialising every logit, in float32 (float64 for float64 inputs).
+
+    `score_mod` and `mask_mod` are called once, on the whole grid: the scores are
+    `(batch, kv_heads, groups, seq_q, seq_k)` (`batch` flattened, query head
+    `kv_head * groups + group`) and the index arrays broadcast against them. A
+    `block_mask` is checked against the call's sizes, then not needed."""
     options = make_options(
         causal=causal, window=window, scale=scale, softcap=softcap, dropout_rate=dropout_rate
     )
@@ -98,6 +110,10 @@ def plain_attention(
                    shapes.seq_k, stat)
     if add is not None:
         logits = logits + add
+    grid = grid_indices(b, h, g, shapes.seq_q, shapes.seq_k)
+    if score_mod is not None:
+        check_score_mod(score_mod, block_probe(g, 2, 3, stat))  # the kernels' checks
+        logits = score_mod(logits, *grid)
     if options.softcap is not None:
         logits = options.softcap * jnp.tanh(logits / options.softcap)
 
@@ -111,13 +127,26 @@ def plain_attention(
     data = data_mask(masks, 0, 0, shapes.seq_q, shapes.seq_k)
     if data is not None:
         allowed = allowed & data
+    if block_mask is not None:
+        if mask_mod is None:
+            raise ValueError(
+                "block_mask summarises a mask_mod: pass the mask_mod it was built from as "
+                "mask_mod too; got block_mask without mask_mod"
+            )
+        block_flags_for(block_mask, shapes, block_mask.block_q, block_mask.block_k)
+    if mask_mod is not None:
+        check_mask_mod(mask_mod, block_probe(g, 2, 3, stat)[1:], (g, 2, 3))
+        allowed = allowed & mask_mod(*grid)
     allowed = jnp.broadcast_to(allowed, logits.shape)
 
     # Softmax over attended keys only. Masked logits are replaced by the row's max before
     # `exp` and their weights by 0, so no -inf or NaN is ever formed (`jax.debug_infs`
     # stays quiet) and gradients stay finite; a row with no key gets 0 and lse -inf.
-    row_max = jnp.max(jnp.where(allowed, logits, jnp.finfo(stat).min), axis=-1, keepdims=True)
-    row_max = jax.lax.stop_gradient(row_max)
+    floor = jnp.finfo(stat).min
+    row_max = jnp.max(jnp.where(allowed, logits, floor), axis=-1, keepdims=True)
+    # At least the floor: a row whose attended logits are all -inf (a -inf bias or
+    # score_mod) would otherwise form -inf - -inf = NaN, poisoning every gradient.
+    row_max = jax.lax.stop_gradient(jnp.maximum(row_max, floor))
     unnormalised = jnp.where(allowed, jnp.exp(jnp.where(allowed, logits, row_max) - row_max), 0.0)
     if key is not None:
         rate = options.dropout_rate

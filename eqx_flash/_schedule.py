@@ -126,13 +126,29 @@ def segment_limits(cfg: KernelConfig, masks: Masks, by: str) -> tuple[Array, Arr
     q_lo, q_hi = block_ranges(qs, cfg.seq_q, cfg.block_q)
     k_lo, k_hi = block_ranges(ks, cfg.seq_k, cfg.block_k)
     overlap = (k_lo[None, :] <= q_hi[:, None]) & (k_hi[None, :] >= q_lo[:, None])
-    if by == "k":
-        overlap = overlap.T
-    n_inner = overlap.shape[1]
-    any_ = overlap.any(axis=1)
-    lo = jnp.where(any_, jnp.argmax(overlap, axis=1), 0).astype(jnp.int32)
-    hi = jnp.where(any_, n_inner - jnp.argmax(overlap[:, ::-1], axis=1), 0).astype(jnp.int32)
+    return _interval(overlap.T if by == "k" else overlap)
+
+
+def _interval(pairs: Array) -> tuple[Array, Array]:
+    """Per row of `pairs` (bool `[n_outer, n_inner]`), the smallest `[lo, hi)` holding all
+    its True entries (`[0, 0)` for none)."""
+    n_inner = pairs.shape[1]
+    any_ = pairs.any(axis=1)
+    lo = jnp.where(any_, jnp.argmax(pairs, axis=1), 0).astype(jnp.int32)
+    hi = jnp.where(any_, n_inner - jnp.argmax(pairs[:, ::-1], axis=1), 0).astype(jnp.int32)
     return lo, hi
+
+
+def block_mask_limits(masks: Masks, by: str) -> tuple[Array, Array] | None:
+    """Per outer block, the inner blocks `[lo, hi)` between the first and the last that a
+    `block_mask` (`masks.block_flags`, one head's `(1, num_q, num_k)`) leaves non-empty;
+    None without one. A causal or banded `mask_mod` then runs the loop of its band only;
+    empty blocks inside the range are skipped by `_block.visit`."""
+    flags = masks.block_flags
+    if flags is None:
+        return None
+    nonempty = flags.reshape(flags.shape[-2:]) != 0
+    return _interval(nonempty.T if by == "k" else nonempty)
 
 
 def length_limits(cfg: KernelConfig, masks: Masks, by: str) -> tuple[Array, Array] | None:
@@ -168,9 +184,10 @@ def length_limits(cfg: KernelConfig, masks: Masks, by: str) -> tuple[Array, Arra
 
 
 def run_limits(cfg: KernelConfig, masks: Masks, by: str) -> tuple[Array, Array] | None:
-    """The run-time narrowing of the static band: `segment_limits` intersected with
-    `length_limits` (None when neither applies)."""
-    found = [x for x in (segment_limits(cfg, masks, by), length_limits(cfg, masks, by))
+    """The run-time narrowing of the static band: `segment_limits`, `length_limits` and
+    `block_mask_limits` intersected (None when none applies)."""
+    found = [x for x in (segment_limits(cfg, masks, by), length_limits(cfg, masks, by),
+                         block_mask_limits(masks, by))
              if x is not None]
     if not found:
         return None

@@ -605,9 +605,25 @@ def _reverse_only_transpose(cts, *args, num_in, num_out, message, bwd, res_tree,
     return [None] * (num_res + num_out) + chosen
 
 
+def _reverse_only_batch(args, dims, **params):
+    """One call per batch element (`lax.map`), as `_linear_batch`: without it, a gradient
+    of a `vmap` (`jax.grad` of a loss over `jax.vmap(model)`) fails to batch the tangent."""
+    mapped = [d is not None for d in dims]
+    xs = [jnp.moveaxis(x, d, 0) for x, d in zip(args, dims, strict=True) if d is not None]
+
+    def one(xs_i):
+        it = iter(xs_i)
+        full = [next(it) if m else x for x, m in zip(args, mapped, strict=True)]
+        return _reverse_only_p.bind(*full, **params)
+
+    outs = jax.lax.map(one, xs)
+    return outs, [0] * len(outs)
+
+
 _reverse_only_p.def_abstract_eval(_reverse_only_abstract_eval)
 ad.primitive_jvps[_reverse_only_p] = _reverse_only_jvp
 ad.primitive_transposes[_reverse_only_p] = _reverse_only_transpose
+batching.primitive_batchers[_reverse_only_p] = _reverse_only_batch
 
 
 def _unflatten_cts(bwd, static, out_tree, num_diff, residuals, cts):

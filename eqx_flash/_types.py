@@ -16,6 +16,7 @@ number of axes; mask leading axes broadcast against q's) is checked in `_validat
 which also runs when jaxtyping's checks are switched off.
 """
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
@@ -52,6 +53,10 @@ QuerySegmentIds: TypeAlias = Integer[AnyArray, "... seq_q"]
 Bias: TypeAlias = Float[AnyArray, "... #seq_q #seq_k"]
 AlibiSlopes: TypeAlias = Float[AnyArray, "..."]
 KeySegmentIds: TypeAlias = Integer[AnyArray, "... seq_k"]
+# `score_mod(score, batch, head, q_idx, kv_idx) -> score` and `mask_mod(batch, head,
+# q_idx, kv_idx) -> bool` (`_mods`): any callable, a PyTree such as an `eqx.Module` too.
+ScoreMod: TypeAlias = Callable[..., Any]
+MaskMod: TypeAlias = Callable[..., Any]
 
 Output: TypeAlias = (
     Float[Array, "*batch heads seq_q dim_v"] | Float[Array, "seq_q dim_v"]

@@ -22,11 +22,13 @@ import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, DTypeLike
+from jaxtyping import Array, Bool, DTypeLike, Float, Int
 
+from ._block_mask import make_block_mask
 from ._reference import plain_attention
 from ._sanity import split_outputs
 from ._sanity import value_and_grad_difference as value_and_grad_difference
@@ -36,6 +38,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AttentionInputs",
+    "BlockSparse",
+    "Dilated",
+    "Documents",
+    "HeadScaling",
+    "PrefixLM",
+    "RelativeBiasTable",
     "Tolerance",
     "TOLERANCES",
     "attention_inputs",
@@ -98,6 +106,97 @@ class AttentionInputs:
         )
 
 
+# --- score_mod and mask_mod families (PyTrees, so check_attention differentiates leaves) --
+
+
+class RelativeBiasTable(eqx.Module):
+    """score_mod: a learned bias per query head and relative position `i - j`."""
+
+    table: Float[Array, "heads distances"]  # distances = seq_q + seq_k - 1
+    seq_k: int = eqx.field(static=True)
+
+    def __call__(self, s, b, h, i, j):
+        return s + self.table[h, i - j + self.seq_k - 1].astype(s.dtype)
+
+
+class HeadScaling(eqx.Module):
+    """score_mod: each query head's logits times its own (learned) factor."""
+
+    scales: Float[Array, " heads"]
+
+    def __call__(self, s, b, h, i, j):
+        return s * self.scales[h].astype(s.dtype)
+
+
+class PrefixLM(eqx.Module):
+    """mask_mod: keys in the prefix, and causal (bottom-right) after it."""
+
+    prefix: int = eqx.field(static=True)
+    offset: int = eqx.field(static=True)  # seq_k - seq_q
+
+    def __call__(self, b, h, i, j):
+        return (j < self.prefix) | (j <= i + self.offset)
+
+
+class Documents(eqx.Module):
+    """mask_mod: a query attends to the keys of its own document (ids per batch element,
+    `batch` being the flat batch index)."""
+
+    q_docs: Int[Array, "batch seq_q"]
+    kv_docs: Int[Array, "batch seq_k"]
+
+    def __call__(self, b, h, i, j):
+        return self.q_docs[b, i] == self.kv_docs[b, j]
+
+
+class Dilated(eqx.Module):
+    """mask_mod: every `dilation`-th key around the aligned position."""
+
+    dilation: int = eqx.field(static=True)
+    offset: int = eqx.field(static=True)
+
+    def __call__(self, b, h, i, j):
+        return (i + self.offset - j) % self.dilation == 0
+
+
+class BlockSparse(eqx.Module):
+    """mask_mod: a random pattern of `block x block` tiles."""
+
+    tiles: Bool[Array, "tiles_q tiles_k"]
+    block: int = eqx.field(static=True)
+
+    def __call__(self, b, h, i, j):
+        return self.tiles[i // self.block, j // self.block]
+
+
+def _draw_score_mod(draw, rng, n_heads: int, seq_q: int, seq_k: int) -> Any:
+    from hypothesis import strategies as st
+
+    if draw(st.booleans()):
+        table = 0.5 * rng.standard_normal((n_heads, seq_q + seq_k - 1), np.float32)
+        return RelativeBiasTable(jnp.asarray(table), seq_k)
+    return HeadScaling(jnp.asarray(1.0 + 0.3 * rng.standard_normal(n_heads, np.float32)))
+
+
+def _draw_mask_mod(draw, rng, batch: int, seq_q: int, seq_k: int) -> Any:
+    from hypothesis import strategies as st
+
+    family = draw(st.sampled_from(("prefix_lm", "documents", "dilated", "block_sparse")))
+    offset = seq_k - seq_q
+    if family == "prefix_lm":
+        return PrefixLM(int(rng.integers(0, seq_k + 1)), offset)
+    if family == "documents":
+        def ids(seq):
+            return jnp.asarray(np.sort(rng.integers(0, 3, (batch, seq), dtype=np.int32), -1))
+
+        return Documents(ids(seq_q), ids(seq_k))
+    if family == "dilated":
+        return Dilated(int(rng.integers(2, 4)), offset)
+    block = int(draw(st.sampled_from((4, 8))))
+    tiles = rng.random((-(-seq_q // block), -(-seq_k // block))) < 0.3
+    return BlockSparse(jnp.asarray(tiles), block)
+
+
 # --- the strategy -----------------------------------------------------------------------
 
 
@@ -133,6 +232,8 @@ def attention_inputs(
     bias: bool | None = False,
     alibi: bool | None = False,
     lengths: bool | None = False,
+    score_mod: bool | None = False,
+    mask_mod: bool | None = False,
 ) -> "SearchStrategy[AttentionInputs]":
     """A Hypothesis strategy of `AttentionInputs`: random attention problems.
 
@@ -168,6 +269,12 @@ def attention_inputs(
     - `lengths`: `q_lengths`/`kv_lengths` `(*batch,)` in `[0, seq]` (right padding), each
         given or not; off by default (`False`), since attention functions other than
         eqx_flash's may not take them; `None` draws, `True` always.
+    - `score_mod`: a `score_mod` PyTree from a few families: a relative-position bias
+        table (`RelativeBiasTable`) or a per-head scaling (`HeadScaling`), whose arrays
+        `check_attention` differentiates. Off by default (`False`).
+    - `mask_mod`: a `mask_mod` from a few families: prefix-LM (`PrefixLM`), documents
+        (`Documents`), dilated (`Dilated`), random block-sparse (`BlockSparse`); with
+        drawn block sizes, sometimes its `block_mask` too. Off by default (`False`).
 
     **Returns:**
 
@@ -272,6 +379,15 @@ def attention_inputs(
         if _maybe(draw, alibi):
             shape = (n_heads,) if draw(st.booleans()) else lead
             kwargs["alibi_slopes"] = jnp.asarray(0.3 * rng.random(shape, np.float32))
+        if _maybe(draw, score_mod):
+            kwargs["score_mod"] = _draw_score_mod(draw, rng, n_heads, seq_q, seq_k)
+        if _maybe(draw, mask_mod):
+            batch = math.prod(batch_shape)
+            kwargs["mask_mod"] = _draw_mask_mod(draw, rng, batch, seq_q, seq_k)
+            blocks = (kwargs.get("block_q"), kwargs.get("block_k"))
+            if None not in blocks and draw(st.booleans()):
+                kwargs["block_mask"] = make_block_mask(
+                    kwargs["mask_mod"], batch_shape, 1, seq_q, seq_k, *blocks)
 
         # q.k has standard deviation |q_scale| * sqrt(dim) for unit normal entries.
         used_scale = 1 / math.sqrt(dim) if scale_value is None else scale_value
@@ -312,8 +428,71 @@ TOLERANCES: dict[Any, Tolerance] = {
 }
 
 
-# Floating array arguments whose gradients `check_attention` compares too.
-DIFFERENTIABLE = ("bias", "alibi_slopes")
+# Floating array arguments whose gradients `check_attention` compares too (for a
+# `score_mod`, the floating arrays of the PyTree).
+DIFFERENTIABLE = ("bias", "alibi_slopes", "score_mod")
+# PyTree arguments: their arrays are traced (`score_mod`'s floating ones differentiated),
+# the rest is static.
+MODIFICATIONS = ("score_mod", "mask_mod", "block_mask")
+
+
+@dataclasses.dataclass(frozen=True)
+class _StaticPart:
+    """The non-array half of a PyTree argument (`eqx.partition`), hashed by identity
+    where it does not hash."""
+
+    value: Any
+
+    def __hash__(self) -> int:
+        try:
+            return hash(self.value)
+        except TypeError:
+            return id(self.value)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _StaticPart) and (
+            self.value is other.value or hash(self) == hash(other) and _equal(self, other))
+
+
+def _equal(a: "_StaticPart", b: "_StaticPart") -> bool:
+    try:
+        return bool(a.value == b.value)
+    except Exception:
+        return False
+
+
+def _split_kwargs(kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], tuple]:
+    """`(arrays, static)`: array arguments (and the arrays of PyTree arguments, by name)
+    and the rest as a hashable tuple."""
+    arrays, static = {}, []
+    for name, value in kwargs.items():
+        if isinstance(value, jax.Array | np.ndarray):
+            arrays[name] = value
+        elif name in MODIFICATIONS and value is not None:
+            keep = eqx.is_inexact_array if name in DIFFERENTIABLE else eqx.is_array
+            dynamic, rest = eqx.partition(value, keep)
+            arrays[name] = dynamic
+            static.append((name, _StaticPart(rest)))
+        else:
+            static.append((name, value))
+    return arrays, tuple(static)
+
+
+def _join(static, arrays: Mapping[str, Any]) -> dict[str, Any]:
+    """The keyword arguments again from `_split_kwargs`' halves."""
+    kwargs = dict(arrays)
+    for name, value in static:
+        kwargs[name] = (eqx.combine(arrays[name], value.value)
+                        if isinstance(value, _StaticPart) else value)
+    return kwargs
+
+
+def _named_grads(name: str, grad: Any) -> dict[str, Array]:
+    """`{"dname": grad}`, or one entry per array leaf of a PyTree cotangent."""
+    if isinstance(grad, jax.Array):
+        return {f"d{name}": grad}
+    leaves = jax.tree_util.tree_flatten_with_path(grad)[0]
+    return {f"d{name}{jax.tree_util.keystr(path)}": g for path, g in leaves}
 
 
 def _accepts(fn: Callable[..., Any], name: str) -> bool:
@@ -332,7 +511,7 @@ def _evaluate(fn, static, q, k, v, arrays, weights, grads: bool):
     free = {n: x for n, x in arrays.items() if n in DIFFERENTIABLE}
 
     def call(q, k, v, free):
-        return split_outputs(fn(q, k, v, **dict(static), **fixed, **free))
+        return split_outputs(fn(q, k, v, **_join(static, {**fixed, **free})))
 
     w, u = weights
     if not grads:
@@ -342,7 +521,8 @@ def _evaluate(fn, static, q, k, v, arrays, weights, grads: bool):
         return out, lse, None  # reported as a shape mismatch
     d_lse = None if lse is None else jnp.where(jnp.isfinite(lse), u, 0.0).astype(lse.dtype)
     dq, dk, dv, d_free = vjp((w.astype(out.dtype), d_lse))
-    return out, lse, {"dq": dq, "dk": dk, "dv": dv, **{f"d{n}": g for n, g in d_free.items()}}
+    named = {k: g for n, grad in d_free.items() for k, g in _named_grads(n, grad).items()}
+    return out, lse, {"dq": dq, "dk": dk, "dv": dv, **named}
 
 
 _evaluate_jit = jax.jit(_evaluate, static_argnums=(0, 1, 7))
@@ -350,7 +530,7 @@ _evaluate_jit = jax.jit(_evaluate, static_argnums=(0, 1, 7))
 
 def _evaluate_jvp(fn, static, q, k, v, arrays, tangents):
     """Tangents of `out` and `lse` (or None) along `tangents = (dq, dk, dv)`."""
-    kwargs = {**dict(static), **arrays}
+    kwargs = _join(static, arrays)
 
     def call(q, k, v):
         return split_outputs(fn(q, k, v, **kwargs))
@@ -368,8 +548,7 @@ def _run_jvp(fn, kwargs: Mapping[str, Any], q, k, v, tangents, jit: bool):
         for name, value in kwargs.items()
         if name not in ("block_q", "block_k") or _accepts(fn, name)
     }
-    arrays = {n: x for n, x in kwargs.items() if isinstance(x, jax.Array | np.ndarray)}
-    static = tuple((n, x) for n, x in kwargs.items() if n not in arrays)
+    arrays, static = _split_kwargs(kwargs)
     if not jit:
         return _evaluate_jvp(fn, static, q, k, v, arrays, tangents)
     try:
@@ -399,8 +578,7 @@ def _run(fn, kwargs: Mapping[str, Any], q, k, v, weights, grads: bool, jit: bool
         for name, value in kwargs.items()
         if name not in ("block_q", "block_k") or _accepts(fn, name)
     }
-    arrays = {n: x for n, x in kwargs.items() if isinstance(x, jax.Array | np.ndarray)}
-    static = tuple((n, x) for n, x in kwargs.items() if n not in arrays)
+    arrays, static = _split_kwargs(kwargs)
     if not jit:
         return _evaluate(fn, static, q, k, v, arrays, weights, grads)
     try:

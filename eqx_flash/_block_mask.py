@@ -1,0 +1,166 @@
+"""`make_block_mask`: which blocks of a `mask_mod` are empty, partial or full.
+
+Built once (outside `jit` if you like) and passed to the attention calls with the same
+`mask_mod`: blocks it proves empty are never computed, and blocks it proves full skip
+evaluating the `mask_mod`. Like FlexAttention's `create_block_mask`.
+"""
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Int8
+
+from ._config import choose_block, default_blocks
+from ._mods import check_mask_mod
+from ._options import Window, make_options
+from ._shapes import Shapes
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+# Checked by hand (`make_block_mask`): beartype would check a `tuple[int, ...]` by sampling
+# with the global `random` module, which Hypothesis strategies must not touch.
+if TYPE_CHECKING:
+    BatchShape = tuple[int, ...]
+else:
+    BatchShape = Any
+
+
+class BlockMask(eqx.Module):
+    """Block-sparsity summary of a `mask_mod` (build it with `make_block_mask`).
+
+    `flags[*batch, head, i, j]` is 0 when no pair of query block `i` and key block `j`
+    attends, 2 when every pair does, 1 otherwise (`batch`/`head` of size 1 when the mask
+    was built as shared). Memory: one byte per block pair and head.
+    """
+
+    flags: Int8[Array, "*batch heads num_q num_k"]
+    batch_shape: BatchShape = eqx.field(static=True)
+    heads: int = eqx.field(static=True)
+    seq_q: int = eqx.field(static=True)
+    seq_k: int = eqx.field(static=True)
+    block_q: int = eqx.field(static=True)
+    block_k: int = eqx.field(static=True)
+
+    @property
+    def sparsity(self) -> Array:
+        """The fraction of block pairs that are empty (never computed)."""
+        return jnp.mean(self.flags == EMPTY)
+
+
+def make_block_mask(
+    mask_mod: Callable[..., Any],
+    batch_shape: BatchShape | int,
+    heads: int,
+    seq_q: int,
+    seq_k: int,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    *,
+    kv_heads: int | None = None,
+) -> BlockMask:
+    """Summarise `mask_mod(batch, head, q_idx, kv_idx) -> bool` per block pair.
+
+    **Arguments:**
+
+    - `mask_mod`: as passed to `flash_attention`, elementwise with broadcasting index
+        arrays; `batch` is the flat row-major index over the leading batch axes.
+    - `batch_shape`: q's leading axes before the heads axis, e.g. `(batch,)`; `()` (or
+        `1`) for a mask that does not depend on `batch` (shared by every batch element).
+    - `heads`: q's number of heads; 1 for a mask that does not depend on `head`.
+    - `seq_q`, `seq_k`: the sequence lengths of the calls it will be used with.
+    - `block_q`, `block_k`: the calls' block sizes. `None` means the kernels' default for
+        a call with neither `causal` nor `window` (`kv_heads`, if given, tells it the
+        grouped-query layout, which changes the default `block_q`); a call with other
+        block sizes raises a `ValueError` naming `block_mask`.
+
+    **Returns:**
+
+    A `BlockMask` (an `eqx.Module`, so it can be built outside `jit` and passed in), with
+    memory proportional to the number of blocks; built block by block, so it never holds
+    the whole `seq_q x seq_k` mask.
+    """
+    if isinstance(batch_shape, int):
+        batch_shape = () if batch_shape == 1 else (batch_shape,)
+    if not all(isinstance(n, int) and n > 0 for n in batch_shape):
+        raise ValueError(f"batch_shape must be a tuple of positive ints; got {batch_shape!r}")
+    batch_shape = tuple(int(n) for n in batch_shape)
+    groups = 1 if kv_heads is None else max(heads // kv_heads, 1)
+    options = make_options(block_q=block_q, block_k=block_k)
+    tuned_q, tuned_k = default_blocks(Window(), groups)
+    bq = choose_block(options.block_q, tuned_q, seq_q)
+    bk = choose_block(options.block_k, tuned_k, seq_k)
+    batch = math.prod(batch_shape)
+    flags = _flags(mask_mod, batch, heads, seq_q, seq_k, bq, bk)
+    flags = flags.reshape(*batch_shape, heads, *flags.shape[-2:])
+    return BlockMask(flags, batch_shape, heads, seq_q, seq_k, bq, bk)
+
+
+def _flags(
+    mask_mod: Callable[..., Any], batch: int, heads: int, seq_q: int, seq_k: int, bq: int,
+    bk: int,
+) -> Array:
+    num_q, num_k = -(-seq_q // bq), -(-seq_k // bk)
+    b = jnp.arange(batch, dtype=jnp.int32).reshape(-1, 1, 1, 1)
+    h = jnp.arange(heads, dtype=jnp.int32).reshape(1, -1, 1, 1)
+    probe_i = jax.ShapeDtypeStruct((1, 1, bq, 1), jnp.int32)
+    probe_j = jax.ShapeDtypeStruct((1, 1, 1, bk), jnp.int32)
+    check_mask_mod(mask_mod, (b, h, probe_i, probe_j), (batch, heads, bq, bk))
+
+    def one(qi: Array, kj: Array) -> Array:
+        i = qi * bq + jnp.arange(bq, dtype=jnp.int32).reshape(1, 1, -1, 1)
+        j = kj * bk + jnp.arange(bk, dtype=jnp.int32).reshape(1, 1, 1, -1)
+        m = jnp.broadcast_to(mask_mod(b, h, i, j), (batch, heads, bq, bk))
+        valid = (i < seq_q) & (j < seq_k)  # padding of the last blocks never counts
+        some = jnp.any(m & valid, axis=(2, 3))
+        every = jnp.all(m | ~valid, axis=(2, 3))
+        return jnp.where(some, jnp.where(every, FULL, PARTIAL), EMPTY).astype(jnp.int8)
+
+    @jax.jit
+    def build() -> Array:
+        rows = jax.lax.map(
+            lambda qi: jax.lax.map(lambda kj: one(qi, kj), jnp.arange(num_k, dtype=jnp.int32)),
+            jnp.arange(num_q, dtype=jnp.int32),
+        )  # (num_q, num_k, batch, heads)
+        return jnp.transpose(rows, (2, 3, 0, 1))
+
+    return build()
+
+
+def block_flags_for(block_mask: Any, shapes: Shapes, block_q: int, block_k: int) -> Array:
+    """`block_mask`'s flags for a call of `shapes` blocked `(block_q, block_k)`, in the
+    internal layout `(batch|1, kv_heads|1, 1, num_q, num_k)`: a kv head's block is empty
+    (full) when it is for every query head grouped on it. Raises naming `block_mask`."""
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(
+            "block_mask must be a BlockMask from eqx_flash.make_block_mask; got "
+            f"{type(block_mask).__name__}"
+        )
+    built = (block_mask.seq_q, block_mask.seq_k, block_mask.block_q, block_mask.block_k)
+    call = (shapes.seq_q, shapes.seq_k, block_q, block_k)
+    if built != call:
+        raise ValueError(
+            "block_mask was built for (seq_q, seq_k, block_q, block_k) = "
+            f"{built}, but this call has {call}: build it with make_block_mask(..., "
+            f"seq_q={call[0]}, seq_k={call[1]}, block_q={call[2]}, block_k={call[3]})"
+        )
+    batch_ok = block_mask.batch_shape in ((), shapes.batch_shape) or all(
+        n == 1 for n in block_mask.batch_shape)
+    heads_ok = block_mask.heads in (1, shapes.heads)
+    if not (batch_ok and heads_ok):
+        raise ValueError(
+            f"block_mask was built for batch_shape={block_mask.batch_shape}, "
+            f"heads={block_mask.heads}, but this call has batch_shape={shapes.batch_shape}, "
+            f"heads={shapes.heads} (a shared mask may use batch_shape=() and heads=1)"
+        )
+    flags = block_mask.flags
+    num_q, num_k = flags.shape[-2:]
+    lead_b = math.prod(block_mask.batch_shape)
+    if block_mask.heads == 1:
+        return flags.reshape(lead_b, 1, 1, num_q, num_k)
+    grouped = flags.reshape(lead_b, shapes.kv_heads, shapes.groups, num_q, num_k)
+    hi, lo = grouped.max(axis=2, keepdims=True), grouped.min(axis=2, keepdims=True)
+    return jnp.where(hi == EMPTY, EMPTY, jnp.where(lo == FULL, FULL, PARTIAL)).astype(jnp.int8)
