@@ -225,6 +225,48 @@ def test_cached_decoding_equals_full_attention():
     assert_close(eqx_flash.rotary(y, jnp.arange(10)), eqx.nn.RotaryPositionalEmbedding(16)(y))
 
 
+@covers("make_block_mask", "BlockMask", "ALiBi", "RelativePositionBias",
+        "testing.RelativeBiasTable", "testing.HeadScaling", "testing.PrefixLM",
+        "testing.Documents", "testing.Dilated", "testing.BlockSparse")
+def test_score_mod_mask_mod_and_block_mask_match_plain(getkey):
+    from eqx_flash import testing
+
+    q, k, v = qkv(getkey(), (2, 4, 32, 8), (2, 2, 32, 8))
+    docs = jnp.repeat(jnp.arange(2), 16)[None].repeat(2, axis=0)
+    table = testing.RelativeBiasTable(0.1 * jax.random.normal(getkey(), (4, 63)), 32)
+    cases = [
+        (table, testing.PrefixLM(8, 0)),
+        (testing.HeadScaling(jnp.linspace(0.5, 1.5, 4)), testing.Documents(docs, docs)),
+        (eqx_flash.RelativePositionBias(4, key=getkey()), testing.Dilated(3, 0)),
+        (eqx_flash.ALiBi(4), testing.BlockSparse(jnp.array([[True, False], [True, True]]), 16)),
+    ]
+    wkey = getkey()
+    for score_mod, mask_mod in cases:
+        block_mask = eqx_flash.make_block_mask(mask_mod, (2,), 4, 32, 32, block_q=8,
+                                               block_k=8, kv_heads=2)
+        assert isinstance(block_mask, eqx_flash.BlockMask)
+        kwargs = dict(score_mod=score_mod, mask_mod=mask_mod)
+        (out, lse), grads = outputs_and_grads(eqx_flash.flash_attention, q, k, v, wkey,
+                                              block_mask=block_mask, block_q=8, block_k=8,
+                                              **kwargs)
+        (ref, ref_lse), ref_grads = outputs_and_grads(eqx_flash.plain_attention, q, k, v,
+                                                      wkey, **kwargs)
+        assert_close(out, ref)
+        assert_lse_close(lse, ref_lse)
+        for g, r in zip(grads, ref_grads, strict=True):
+            assert_close(g, r, scale=4.0)
+    # ALiBi as a score_mod is the built-in alibi_slopes; the learned table gets gradients.
+    alibi, _ = eqx_flash.flash_attention(q, k, v, score_mod=eqx_flash.ALiBi(4), causal=True)
+    slopes, _ = eqx_flash.flash_attention(q, k, v, alibi_slopes=eqx_flash.ALiBi(4).slopes,
+                                          causal=True)
+    assert_close(alibi, slopes)
+    d_table = eqx.filter_grad(
+        lambda m: jnp.sum(eqx_flash.flash_attention(q, k, v, score_mod=m)[0] ** 2))(table)
+    ref_table = eqx.filter_grad(
+        lambda m: jnp.sum(eqx_flash.plain_attention(q, k, v, score_mod=m)[0] ** 2))(table)
+    assert_close(d_table.table, ref_table.table, scale=4.0)
+
+
 @covers("testing.attention_inputs", "testing.check_attention", "testing.AttentionInputs",
         "testing.Tolerance", "testing.TOLERANCES", "testing.value_and_grad_difference")
 def test_testing_finds_a_bug_and_passes_flash():
