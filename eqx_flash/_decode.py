@@ -89,7 +89,7 @@ def _head(
             mask = allowed(wide, masks, q_start, k_start, True)
             assert mask is not None  # positional: always a mask
             if seq_k % width:
-                k_pos = k_start + jnp.arange(width, dtype=jnp.int32)
+                k_pos = k_start + jnp.arange(width, dtype=jnp.int32).reshape(1, 1, width)
                 mask = mask & (k_pos >= r * width)
             s = jnp.where(mask, s, -jnp.inf)
             # The cache is not cleaned up front (`reads_raw_cache`): a value row that no
