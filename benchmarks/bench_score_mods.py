@@ -31,8 +31,8 @@ def main() -> None:
     bias = jax.random.normal(keys[3], (1, h, n, n))
     slopes = 2.0 ** (-8.0 * jnp.arange(1, h + 1) / h)
 
-    def grad_of(loss):
-        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+    def grad_of(loss, argnums=(0, 1, 2, 3)):
+        return jax.jit(jax.grad(loss, argnums=argnums))
 
     def xla(q, k, v, b):
         t = [jnp.swapaxes(x, 1, 2) for x in (q, k, v)]
@@ -42,8 +42,13 @@ def main() -> None:
         "eqx_flash": (grad_of(lambda q, k, v, b: jnp.sum(flash_attention(q, k, v)[0])), None),
         "eqx_flash alibi": (grad_of(lambda q, k, v, s: jnp.sum(
             flash_attention(q, k, v, alibi_slopes=s)[0])), slopes),
+        # Constant slopes (the usual ALiBi) / a constant bias: gradients of q, k, v only.
+        "eqx_flash alibi, constant slopes": (grad_of(lambda q, k, v, s: jnp.sum(
+            flash_attention(q, k, v, alibi_slopes=s)[0]), (0, 1, 2)), slopes),
         "eqx_flash bias": (grad_of(lambda q, k, v, b: jnp.sum(
             flash_attention(q, k, v, bias=b)[0])), bias),
+        "eqx_flash bias, constant": (grad_of(lambda q, k, v, b: jnp.sum(
+            flash_attention(q, k, v, bias=b)[0]), (0, 1, 2)), bias),
         "jax.nn bias (xla)": (grad_of(xla), bias),
     }
     for fn, extra in calls.values():
@@ -65,6 +70,10 @@ def main() -> None:
         print(f"| {name} | {ms:.0f} |")
     print("\n| ratio | value |\n|---|---:|")
     print(f"| alibi / no score terms | {med['eqx_flash alibi'] / med['eqx_flash']:.2f}x |")
+    print(f"| alibi, constant slopes / no score terms | "
+          f"{med['eqx_flash alibi, constant slopes'] / med['eqx_flash']:.2f}x |")
+    print(f"| jax.nn bias / eqx_flash bias, constant | "
+          f"{med['jax.nn bias (xla)'] / med['eqx_flash bias, constant']:.2f}x |")
     print(f"| jax.nn bias / eqx_flash bias | "
           f"{med['jax.nn bias (xla)'] / med['eqx_flash bias']:.2f}x |")
 

@@ -100,13 +100,15 @@ def backward(
     masks: Masks,
     seed: Array | None,
     flex: FlexArrays = NO_FLEX,
+    mods_wanted: tuple[bool, bool] = (True, True),
 ) -> tuple[Array, Array, Array, ScoreMods, Any]:
     """Cotangents of q, k, v, the score terms `mods` (internal layout) and the
     `score_mod`'s floating arrays `flex.score`, given `lse` and `delta` from `prepare` and
-    the cotangent `d_out` of `out`."""
+    the cotangent `d_out` of `out`. A score term whose entry of `mods_wanted` (bias,
+    slopes) is False gets zeros, without accumulating anything per block."""
     bands = band_ranges(cfg.seq_q, cfg.seq_k, cfg.block_q, cfg.block_k, cfg.band_window,
                         cfg.offset, by="k")
-    kernel = functools.partial(_head, cfg, bands, seed, not masks.is_empty, flex)
+    kernel = functools.partial(_head, cfg, bands, seed, not masks.is_empty, flex, mods_wanted)
     d_q, d_k, d_v, d_mods, d_score = per_head(kernel, (masks, mods),
                                               (q, k, v, d_out, lse, delta))
 
@@ -118,7 +120,9 @@ def backward(
     # The score_mod's arrays are shared by every (batch, kv head): sum their cotangents.
     d_score = jax.tree.map(lambda g, p: g.sum(axis=(0, 1)).astype(p.dtype), d_score,
                            flex.score)
-    return d_q, d_k, d_v, jax.tree.map(reduce, d_mods, mods), d_score
+    d_mods = ScoreMods(*(None if m is None else jnp.zeros_like(m) if g is None else reduce(g, m)
+                         for g, m in zip(d_mods, mods, strict=True)))
+    return d_q, d_k, d_v, d_mods, d_score
 
 
 def _cut(x: Array, block: int) -> tuple[Array, Array]:
@@ -131,7 +135,7 @@ def _cut(x: Array, block: int) -> tuple[Array, Array]:
 
 def _head(
     cfg: KernelConfig, bands: Bands, seed: Array | None, has_data_mask: bool,
-    flex: FlexArrays, head: Head, arrays: tuple[Array, ...],
+    flex: FlexArrays, mods_wanted: tuple[bool, bool], head: Head, arrays: tuple[Array, ...],
 ) -> tuple[Array, Array, Array, ScoreMods, Any]:
     q, k, v, d_out, lse, delta = arrays
     stat = stat_dtype(q.dtype)
@@ -151,7 +155,8 @@ def _head(
     def key_block(carry, j):
         return _key_block(inputs, bands, limits, keys, carry, j)
 
-    d_mods = jax.tree.map(lambda m: jnp.zeros_like(m, stat), head.mods)
+    d_mods = ScoreMods(*(jnp.zeros_like(m, stat) if m is not None and wanted else None
+                         for m, wanted in zip(head.mods, mods_wanted, strict=True)))
     # The score_mod's arrays' cotangents accumulate in the statistics dtype.
     d_score = jax.tree.map(lambda p: jnp.zeros_like(p, stat), flex.score)
     (dq_cols, d_mods, d_score), (d_k, d_v) = jax.lax.scan(

@@ -82,11 +82,16 @@ def _attention_fwd(cfg, q, k, v, mods, score, masks, flex, seed):
     return (out, lse), (q, k, v, mods, score, out, lse, masks, flex, seed)
 
 
-def _attention_bwd(cfg, residuals, cotangents):
+def _attention_bwd(cfg, residuals, cotangents, wanted=None):
     q, k, v, mods, score, out, lse, masks, flex, seed = residuals
     lse, delta = prepare(out, lse, *cotangents)
+    # Score terms without a tangent (constant ALiBi slopes, a fixed bias) get no cotangent
+    # accumulation in the kernel; `reverse_only` drops their (zero) cotangents anyway.
+    mods_wanted = (True, True) if wanted is None else tuple(
+        w is not None and bool(w) for w in wanted[3])
     d_q, d_k, d_v, d_mods, d_score = backward(
-        cfg, q, k, v, mods, lse, delta, cotangents[0], masks, seed, flex._replace(score=score)
+        cfg, q, k, v, mods, lse, delta, cotangents[0], masks, seed, flex._replace(score=score),
+        mods_wanted,
     )
     no_grad = jax.tree.map(lambda _: None, (masks, flex))
     return d_q, d_k, d_v, d_mods, d_score, *no_grad, None
@@ -108,6 +113,7 @@ def _reverse_only(names: str) -> Any:
         f"with {names} is not supported yet; reverse mode is. For forward mode, leave out "
         f"{names} or use eqx_flash.plain_attention.",
         num_diff=5,
+        bwd_skips_unwanted=True,
     )
 
 

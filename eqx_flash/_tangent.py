@@ -626,9 +626,13 @@ ad.primitive_transposes[_reverse_only_p] = _reverse_only_transpose
 batching.primitive_batchers[_reverse_only_p] = _reverse_only_batch
 
 
-def _unflatten_cts(bwd, static, out_tree, num_diff, residuals, cts):
-    """The cotangents of the differentiable arguments, flattened."""
-    grads = bwd(static, residuals, jax.tree.unflatten(out_tree, cts))[:num_diff]
+def _unflatten_cts(bwd, static, out_tree, num_diff, wanted, residuals, cts):
+    """The cotangents of the differentiable arguments, flattened. `wanted` (None, or the
+    differentiable arguments' structure with a bool per leaf: has it a non-zero tangent?)
+    goes to a `bwd` that can skip the cotangents nobody asked for."""
+    cts = jax.tree.unflatten(out_tree, cts)
+    grads = (bwd(static, residuals, cts) if wanted is None else
+             bwd(static, residuals, cts, wanted=wanted))[:num_diff]
     return jax.tree.leaves(grads)
 
 
@@ -638,12 +642,16 @@ def reverse_only(
     bwd: Callable[..., Any],
     message: str,
     num_diff: int = 3,
+    bwd_skips_unwanted: bool = False,
 ) -> Callable[..., Any]:
     """Wrap `attention(static, *args) -> (out, lse)` (a `custom_vjp` function with
     `nondiff_argnums=(0,)`; its first `num_diff` arguments are the differentiable ones,
     possibly pytrees) so that `jax.jvp` raises `message` and reverse mode runs
     `bwd(static, residuals(static, args, outputs), cotangents)`, whose first `num_diff`
-    results are the cotangents of those arguments."""
+    results are the cotangents of those arguments. With `bwd_skips_unwanted`, `bwd` also
+    gets `wanted=`: which of those arguments' leaves have a non-zero tangent (e.g. ALiBi
+    slopes or a bias that are constants need no cotangent, which costs a reduction per
+    block)."""
 
     @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
     def wrapped(static, *args):
@@ -652,10 +660,11 @@ def reverse_only(
     @functools.partial(wrapped.defjvp, symbolic_zeros=True)
     def wrapped_jvp(static, args, tangents):
         outs = wrapped(static, *args)
-        tangent_leaves = jax.tree.leaves(
+        tangent_leaves, tangent_tree = jax.tree.flatten(
             tangents[:num_diff], is_leaf=lambda t: type(t) is SymbolicZero
         )
         which = tuple(type(t) is not SymbolicZero for t in tangent_leaves)
+        wanted = jax.tree.unflatten(tangent_tree, which) if bwd_skips_unwanted else None
         nonzero = [t for t, w in zip(tangent_leaves, which, strict=True) if w]
         out_leaves, out_tree = jax.tree.flatten(outs)
         # No stop_gradient: a derivative of the gradient differentiates `bwd` itself (the
@@ -668,7 +677,7 @@ def reverse_only(
             return outs, jax.tree.map(jnp.zeros_like, outs)
         d_outs = _reverse_only_p.bind(
             *flat, num_in=len(res_flat), num_out=len(out_leaves), message=message,
-            bwd=functools.partial(_unflatten_cts, bwd, static, out_tree, num_diff),
+            bwd=functools.partial(_unflatten_cts, bwd, static, out_tree, num_diff, wanted),
             res_tree=res_tree, which=which,
         )
         return outs, jax.tree.unflatten(out_tree, d_outs)

@@ -208,3 +208,25 @@ def test_property_bias_and_alibi(inputs):
     """Values, lse and gradients (q, k, v, bias, slopes) against `plain_attention` over the
     strategy, with every other feature drawn too."""
     check_attention(flash_attention, inputs)
+
+
+@pytest.mark.parametrize("argnums", [(0,), (3,), (4,), (0, 4), (1, 2, 3)], ids=str)
+def test_gradients_of_some_arguments_only(argnums):
+    """A bias or slopes with no tangent (constants) skip their cotangent accumulation in
+    the backward kernel: what is asked for is the same as when everything is."""
+    q, k, v = _qkv()
+    bias = 0.5 * _normal(5, (H, SQ, SK))
+    slopes = 2.0 ** -jnp.arange(1.0, H + 1)
+
+    def loss(fn):
+        def f(*args):
+            out, _ = fn(*args[:3], bias=args[3], alibi_slopes=args[4], causal=True)
+            return jnp.sum(out * out)
+        return f
+
+    args = (q, k, v, bias, slopes)
+    got = jax.jit(jax.grad(loss(flash_attention), argnums=argnums))(*args)
+    expected = jax.grad(loss(plain_attention), argnums=argnums)(*args)
+    for g, e in zip(got, expected, strict=True):
+        scale = max(float(jnp.max(jnp.abs(e))), 1.0)
+        np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-4, atol=1e-4 * scale)
