@@ -87,8 +87,10 @@ def _attention_bwd(cfg, residuals, cotangents, wanted=None):
     lse, delta = prepare(out, lse, *cotangents)
     # Score terms without a tangent (constant ALiBi slopes, a fixed bias) get no cotangent
     # accumulation in the kernel; `reverse_only` drops their (zero) cotangents anyway.
-    mods_wanted = (True, True) if wanted is None else tuple(
-        w is not None and bool(w) for w in wanted[3])
+    mods_wanted = (True, True)
+    if wanted is not None:
+        bias, slopes = wanted[3]  # a ScoreMods of bools (None: the term is absent)
+        mods_wanted = (bool(bias), bool(slopes))
     d_q, d_k, d_v, d_mods, d_score = backward(
         cfg, q, k, v, mods, lse, delta, cotangents[0], masks, seed, flex._replace(score=score),
         mods_wanted,
