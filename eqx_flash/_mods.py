@@ -44,7 +44,7 @@ Probe = tuple[Any, ...]
 Shape = tuple[Any, ...]
 
 
-class _Hashable:
+class StaticValue:
     """Wraps a static value for use in a jit cache key: by equality where it hashes (a
     function, an `eqx.Module` whose arrays were taken out), else by identity."""
 
@@ -58,7 +58,7 @@ class _Hashable:
             return id(self.value)
 
     def __eq__(self, other: object) -> bool:
-        if not isinstance(other, _Hashable):
+        if not isinstance(other, StaticValue):
             return False
         if self.value is other.value:
             return True
@@ -73,7 +73,7 @@ class ModFn:
     """The static part of a `score_mod` or `mask_mod`: `call(args, arrays)` evaluates it
     with the arrays `split_mod` took out of it."""
 
-    static: _Hashable  # eqx.partition's static half, or a `_Traced`
+    static: StaticValue  # eqx.partition's static half, or a `_Traced`
     traced: bool = False
 
     def call(self, args: Probe, arrays: Any) -> Array:
@@ -118,9 +118,9 @@ def split_mod(
     closed = _trace(name, call, probe, leaves)
     hoisted = tuple(i for i, c in enumerate(closed.consts) if isinstance(c, core.Tracer))
     if not hoisted:
-        return ModFn(_Hashable(static)), closed, leaves
+        return ModFn(StaticValue(static)), closed, leaves
     traced = _Traced(closed, hoisted)
-    return ModFn(_Hashable(traced), traced=True), closed, (leaves, [closed.consts[i]
+    return ModFn(StaticValue(traced), traced=True), closed, (leaves, [closed.consts[i]
                                                                     for i in hoisted])
 
 

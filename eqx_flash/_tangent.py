@@ -488,26 +488,29 @@ def _linear_transpose(cts, *args, **params):
     return [None] * num_res + lin_cts
 
 
-def _linear_batch(args, dims, **params):
-    """One call per batch element (`lax.map`), so the primitive (and its transpose into
-    the hand-written kernels) survives `vmap`."""
-    size = next(x.shape[d] for x, d in zip(args, dims, strict=True) if d is not None)
-    mapped = [d is not None for d in dims]
-    xs = [jnp.moveaxis(x, d, 0) for x, d in zip(args, dims, strict=True) if d is not None]
+def _batch_by_map(primitive: Primitive) -> Callable[..., Any]:
+    """A batching rule that binds `primitive` once per batch element (`lax.map`), so it
+    (and its transpose into the hand-written kernels) survives `vmap`: without one, a
+    gradient of a `vmap` (`jax.grad` of a loss over `jax.vmap(model)`) fails to batch."""
 
-    def one(xs_i):
-        it = iter(xs_i)
-        full = [next(it) if m else x for x, m in zip(args, mapped, strict=True)]
-        return _linear_p.bind(*full, **params)
+    def rule(args, dims, **params):
+        mapped = [d is not None for d in dims]
+        xs = [jnp.moveaxis(x, d, 0) for x, d in zip(args, dims, strict=True) if d is not None]
 
-    del size
-    outs = jax.lax.map(one, xs)
-    return outs, [0] * len(outs)
+        def one(xs_i):
+            it = iter(xs_i)
+            full = [next(it) if m else x for x, m in zip(args, mapped, strict=True)]
+            return primitive.bind(*full, **params)
+
+        outs = jax.lax.map(one, xs)
+        return outs, [0] * len(outs)
+
+    return rule
 
 
 ad.primitive_jvps[_linear_p] = _linear_jvp
 ad.primitive_transposes[_linear_p] = _linear_transpose
-batching.primitive_batchers[_linear_p] = _linear_batch
+batching.primitive_batchers[_linear_p] = _batch_by_map(_linear_p)
 
 
 def _linear(cfg: KernelConfig, which, residuals, nonzero) -> list[Array]:
@@ -605,25 +608,10 @@ def _reverse_only_transpose(cts, *args, num_in, num_out, message, bwd, res_tree,
     return [None] * (num_res + num_out) + chosen
 
 
-def _reverse_only_batch(args, dims, **params):
-    """One call per batch element (`lax.map`), as `_linear_batch`: without it, a gradient
-    of a `vmap` (`jax.grad` of a loss over `jax.vmap(model)`) fails to batch the tangent."""
-    mapped = [d is not None for d in dims]
-    xs = [jnp.moveaxis(x, d, 0) for x, d in zip(args, dims, strict=True) if d is not None]
-
-    def one(xs_i):
-        it = iter(xs_i)
-        full = [next(it) if m else x for x, m in zip(args, mapped, strict=True)]
-        return _reverse_only_p.bind(*full, **params)
-
-    outs = jax.lax.map(one, xs)
-    return outs, [0] * len(outs)
-
-
 _reverse_only_p.def_abstract_eval(_reverse_only_abstract_eval)
 ad.primitive_jvps[_reverse_only_p] = _reverse_only_jvp
 ad.primitive_transposes[_reverse_only_p] = _reverse_only_transpose
-batching.primitive_batchers[_reverse_only_p] = _reverse_only_batch
+batching.primitive_batchers[_reverse_only_p] = _batch_by_map(_reverse_only_p)
 
 
 def _unflatten_cts(bwd, static, out_tree, num_diff, wanted, residuals, cts):

@@ -29,6 +29,7 @@ import numpy as np
 from jaxtyping import Array, Bool, DTypeLike, Float, Int
 
 from ._block_mask import make_block_mask
+from ._mods import StaticValue
 from ._reference import plain_attention
 from ._sanity import split_outputs
 from ._sanity import value_and_grad_difference as value_and_grad_difference
@@ -436,31 +437,6 @@ DIFFERENTIABLE = ("bias", "alibi_slopes", "score_mod")
 MODIFICATIONS = ("score_mod", "mask_mod", "block_mask")
 
 
-@dataclasses.dataclass(frozen=True)
-class _StaticPart:
-    """The non-array half of a PyTree argument (`eqx.partition`), hashed by identity
-    where it does not hash."""
-
-    value: Any
-
-    def __hash__(self) -> int:
-        try:
-            return hash(self.value)
-        except TypeError:
-            return id(self.value)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _StaticPart) and (
-            self.value is other.value or hash(self) == hash(other) and _equal(self, other))
-
-
-def _equal(a: "_StaticPart", b: "_StaticPart") -> bool:
-    try:
-        return bool(a.value == b.value)
-    except Exception:
-        return False
-
-
 def _split_kwargs(kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], tuple]:
     """`(arrays, static)`: array arguments (and the arrays of PyTree arguments, by name)
     and the rest as a hashable tuple."""
@@ -472,7 +448,7 @@ def _split_kwargs(kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], tuple]:
             keep = eqx.is_inexact_array if name in DIFFERENTIABLE else eqx.is_array
             dynamic, rest = eqx.partition(value, keep)
             arrays[name] = dynamic
-            static.append((name, _StaticPart(rest)))
+            static.append((name, StaticValue(rest)))
         else:
             static.append((name, value))
     return arrays, tuple(static)
@@ -483,7 +459,7 @@ def _join(static, arrays: Mapping[str, Any]) -> dict[str, Any]:
     kwargs = dict(arrays)
     for name, value in static:
         kwargs[name] = (eqx.combine(arrays[name], value.value)
-                        if isinstance(value, _StaticPart) else value)
+                        if isinstance(value, StaticValue) else value)
     return kwargs
 
 
