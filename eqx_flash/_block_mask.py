@@ -130,10 +130,18 @@ def _flags(
     return build()
 
 
-def block_flags_for(block_mask: Any, shapes: Shapes, block_q: int, block_k: int) -> Array:
+def block_flags_for(
+    block_mask: Any, mask_mod: Any, shapes: Shapes, block_q: int, block_k: int
+) -> Array:
     """`block_mask`'s flags for a call of `shapes` blocked `(block_q, block_k)`, in the
     internal layout `(batch|1, kv_heads|1, 1, num_q, num_k)`: a kv head's block is empty
-    (full) when it is for every query head grouped on it. Raises naming `block_mask`."""
+    (full) when it is for every query head grouped on it. Raises naming `block_mask`
+    (also when the call has no `mask_mod` for it to summarise)."""
+    if mask_mod is None:
+        raise ValueError(
+            "block_mask summarises a mask_mod: pass the mask_mod it was built from as "
+            "mask_mod too; got block_mask without mask_mod"
+        )
     if not isinstance(block_mask, BlockMask):
         raise TypeError(
             "block_mask must be a BlockMask from eqx_flash.make_block_mask; got "

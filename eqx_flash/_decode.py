@@ -30,9 +30,9 @@ from ._scores import ScoreMods
 def reads_raw_cache(cfg: KernelConfig, has_score_terms: bool) -> bool:
     """Whether the forward is this kernel (no score terms, score_mod or mask_mod), which
     copes with garbage (NaN) in the keys and values that nothing attends, so the caller
-    need not clean K and V first: for one
-    decoding step that clean-up pass would cost more than the attention itself. (Under
-    differentiation they are cleaned all the same: `_tangent.with_forward_mode`.)"""
+    need not clean K and V first: for one decoding step that clean-up pass would cost
+    more than the attention itself. (Under differentiation they are cleaned all the
+    same: `_tangent.with_forward_mode`.)"""
     return cfg.splits > 1 and not has_score_terms and cfg.flex is None
 
 

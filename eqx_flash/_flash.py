@@ -279,13 +279,8 @@ def flash_attention(
     flex_cfg, flex = prepare_mods(score_mod, mask_mod, shapes.heads, shapes.groups,
                                   cfg.block_q, cfg.block_k, stat_dtype(q.dtype))
     if block_mask is not None:
-        if mask_mod is None:
-            raise ValueError(
-                "block_mask summarises a mask_mod: pass the mask_mod it was built from as "
-                "mask_mod too; got block_mask without mask_mod"
-            )
-        masks = masks._replace(
-            block_flags=block_flags_for(block_mask, shapes, cfg.block_q, cfg.block_k))
+        masks = masks._replace(block_flags=block_flags_for(
+            block_mask, mask_mod, shapes, cfg.block_q, cfg.block_k))
     if flex_cfg is None:
         cfg = decode_config(cfg)
     else:  # the regular kernels, at the block sizes the modifications were traced at

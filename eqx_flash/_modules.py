@@ -88,12 +88,15 @@ def _dropout_rate(p: Any, inference: bool, key: PRNGKeyArray | None) -> float:
     return p
 
 
-def _modifications(
-    module: Any, score_mod: ScoreMod | None, mask_mod: MaskMod | None,
+def _per_call(
+    module: Any, q_lengths: Lengths | None, kv_lengths: Lengths | None, bias: Bias | None,
+    alibi_slopes: AlibiSlopes | None, score_mod: ScoreMod | None, mask_mod: MaskMod | None,
     block_mask: BlockMask | None,
 ) -> dict[str, Any]:
-    """The `score_mod`/`mask_mod` of one call: given at call time, else the module's."""
+    """`flash_attention`'s keywords given at call time; the `score_mod`/`mask_mod` given
+    then, else the module's."""
     return dict(
+        q_lengths=q_lengths, kv_lengths=kv_lengths, bias=bias, alibi_slopes=alibi_slopes,
         score_mod=module.score_mod if score_mod is None else score_mod,
         mask_mod=module.mask_mod if mask_mod is None else mask_mod,
         block_mask=block_mask,
@@ -228,9 +231,8 @@ class FlashAttention(eqx.Module):
         rate = _dropout_rate(self.dropout_p, inference, key)
         return _attend(
             q, k, v, mask, self._options(), rate, key,
-            dict(q_lengths=q_lengths, kv_lengths=kv_lengths, bias=bias,
-                 alibi_slopes=alibi_slopes,
-                 **_modifications(self, score_mod, mask_mod, block_mask)),
+            _per_call(self, q_lengths, kv_lengths, bias, alibi_slopes, score_mod, mask_mod,
+                      block_mask),
         )
 
     def _options(self) -> dict[str, Any]:
@@ -516,9 +518,8 @@ class FlashMultiheadAttention(eqx.Module):
             heads = _attend(
                 jnp.swapaxes(q, 0, 1), jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1), mask,
                 self._options(), rate, key,
-                dict(q_lengths=q_lengths, kv_lengths=kv_lengths, bias=bias,
-                     alibi_slopes=alibi_slopes,
-                     **_modifications(self, score_mod, mask_mod, block_mask)),
+                _per_call(self, q_lengths, kv_lengths, bias, alibi_slopes, score_mod,
+                          mask_mod, block_mask),
             )
             attn = jnp.swapaxes(heads, 0, 1).reshape(query.shape[0], -1)
             return jax.vmap(self.output_proj)(attn)

@@ -127,13 +127,8 @@ def plain_attention(
     data = data_mask(masks, 0, 0, shapes.seq_q, shapes.seq_k)
     if data is not None:
         allowed = allowed & data
-    if block_mask is not None:
-        if mask_mod is None:
-            raise ValueError(
-                "block_mask summarises a mask_mod: pass the mask_mod it was built from as "
-                "mask_mod too; got block_mask without mask_mod"
-            )
-        block_flags_for(block_mask, shapes, block_mask.block_q, block_mask.block_k)
+    if block_mask is not None:  # checked as the kernels check it, then not needed
+        block_flags_for(block_mask, mask_mod, shapes, block_mask.block_q, block_mask.block_k)
     if mask_mod is not None:
         check_mask_mod(mask_mod, block_probe(g, 2, 3, stat)[1:], (g, 2, 3))
         allowed = allowed & mask_mod(*grid)

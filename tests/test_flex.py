@@ -311,7 +311,7 @@ def test_make_block_mask_partial_and_heads():
     from eqx_flash._shapes import shapes_of
 
     q, k, v = _qkv()
-    folded = np.asarray(block_flags_for(bm, shapes_of(q, k, v), 16, 24))
+    folded = np.asarray(block_flags_for(bm, mask_mod, shapes_of(q, k, v), 16, 24))
     assert folded.shape == (2, 2, 1, 3, 3)
     flags = np.asarray(bm.flags).reshape(2, 2, 2, 3, 3)
     expected = np.where(flags.max(2) == 0, 0, np.where(flags.min(2) == 2, 2, 1))
