@@ -40,7 +40,7 @@ from ._config import KernelConfig, stat_dtype
 from ._heads import Head, per_head
 from ._masking import Masks
 from ._mods import NO_FLEX, FlexArrays, apply_score
-from ._schedule import Bands, band_ranges, over_band, run_limits
+from ._schedule import Bands, Limits, band_ranges, over_band, run_limits
 from ._scores import ScoreMods, accumulate
 from ._softmax import finite_lse
 
@@ -174,7 +174,7 @@ _Carry = tuple[Array, Array, Array, ScoreMods, Any]  # dq (transposed), dk, dv, 
 
 
 def _key_block(
-    inputs: _HeadInputs, bands: Bands, limits: tuple[Array, Array] | None,
+    inputs: _HeadInputs, bands: Bands, limits: Limits | None,
     keys: tuple[Array, Array], carry: tuple[Array, ScoreMods, Any], j: Array,
 ) -> tuple[tuple[Array, ScoreMods, Any], tuple[Array, Array]]:
     """Key block `j`'s dk and dv, adding its share of dq (and of the score terms' and
@@ -258,9 +258,9 @@ def _update(
         ds, d_part = vjps[0](ds)
         d_score = jax.tree.map(lambda a, g: a + g.astype(a.dtype), d_score, d_part)
     if not head.mods.is_empty:  # ds is the cotangent of the score terms too
-        d_scores = ds.reshape(cfg.block_k, inputs.groups, cfg.block_q).transpose(1, 2, 0)
+        d_scores_t = ds.reshape(cfg.block_k, inputs.groups, cfg.block_q)  # no copy
         q_pos, k_pos = positions(cfg, q_start, block.start)
-        d_mods = accumulate(d_mods, head.mods, d_scores, q_start, block.start, q_pos, k_pos,
+        d_mods = accumulate(d_mods, head.mods, d_scores_t, q_start, block.start, q_pos, k_pos,
                             cfg.offset)
     ds = ds.astype(inputs.dtype)
     # dk against the scaled queries is exact; dq is scaled once at the end.

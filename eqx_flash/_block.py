@@ -174,20 +174,21 @@ def score_fn(
 
 
 def visit(
-    cfg: KernelConfig, head: Head, flex: FlexArrays, qb: Array, kb: Array, positional: bool,
+    cfg: KernelConfig, head: Head, flex: FlexArrays, qb: Array, kb: Array, masked: bool,
     has_data_mask: bool, compute: Callable[[Array | None, Any], Any], carry: Any,
     orient: Callable[[Array | None], Array | None] = lambda m: m,
 ) -> Any:
     """`compute(mask, carry)` for block pair `(qb, kb)` with its mask (`allowed`, and the
-    `mask_mod`'s), put in the kernel's layout by `orient`; skipped when the mask is empty.
+    `mask_mod`'s), put in the kernel's layout by `orient`; skipped when a data mask
+    empties it.
 
-    With a `block_mask` (`head.masks.block_flags`), its flag decides first: an empty
-    block is skipped without evaluating anything, a full one skips the `mask_mod`.
-    Without one, the `mask_mod` is evaluated on every visited block, and an empty result
-    skips it like an empty data mask (`skip_if_empty`).
+    `masked` is `_schedule.over_band`'s: False for a block that the schedule knows to be
+    whole, by position and, with block flags, by the `mask_mod` too (then the `mask_mod`
+    is not evaluated). Without block flags (forward-mode kernels) the `mask_mod` is
+    evaluated on every block, and a block it empties is skipped.
     """
     q_start, k_start = qb * cfg.block_q, kb * cfg.block_k
-    base = allowed(cfg, head.masks, q_start, k_start, positional)
+    base = allowed(cfg, head.masks, q_start, k_start, masked)
 
     def without_mod(c):
         mask = orient(base)
@@ -196,21 +197,14 @@ def visit(
     if cfg.flex is None or cfg.flex.mask is None:
         return without_mod(carry)
     flex_cfg = cfg.flex
-
-    def with_mod(c):
-        idx = flex_indices(cfg, head, q_start, k_start)
-        mod = mask_of(flex_cfg, flex, idx, (head.head_ids.shape[0], cfg.block_q, cfg.block_k))
-        if cfg.seq_q % cfg.block_q:  # padding rows must not keep a block `make_block_mask`
-            mod = mod & (idx[2] < cfg.seq_q)  # calls empty (they are discarded anyway)
-        mask = orient(mod if base is None else base & mod)
-        return skip_if_empty(mask, True, functools.partial(compute, mask), c)
-
-    flags = head.masks.block_flags
-    if flags is None:
-        return with_mod(carry)
-    flag = flags.reshape(flags.shape[-2:])[qb, kb].astype(jnp.int32)
-    # 0 empty, 1 partial, 2 full (`_block_mask`)
-    return jax.lax.switch(flag, [lambda c: c, with_mod, without_mod], carry)
+    listed = head.masks.block_flags is not None  # the schedule skipped empty blocks
+    if listed and not masked:
+        return without_mod(carry)
+    idx = flex_indices(cfg, head, q_start, k_start)
+    mod = mask_of(flex_cfg, flex, idx, (head.head_ids.shape[0], cfg.block_q, cfg.block_k))
+    mask = orient(mod if base is None else base & mod)
+    return skip_if_empty(mask, has_data_mask or not listed, functools.partial(compute, mask),
+                         carry)
 
 
 def dropout_multiplier(

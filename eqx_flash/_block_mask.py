@@ -164,10 +164,29 @@ def block_flags_for(
             f"heads={block_mask.heads}, but this call has batch_shape={shapes.batch_shape}, "
             f"heads={shapes.heads} (a shared mask may use batch_shape=() and heads=1)"
         )
-    flags = block_mask.flags
+    return _internal(block_mask.flags, math.prod(block_mask.batch_shape), block_mask.heads,
+                     shapes)
+
+
+def derived_flags(mask_mod: Any, shapes: Shapes, block_q: int, block_k: int) -> Array:
+    """`block_flags_for` a call given a `mask_mod` but no `block_mask`: the summary
+    `make_block_mask` would build, evaluated block by block (O(number of blocks) memory),
+    over the batch and head axes only where the `mask_mod` depends on them."""
+    batch, heads = math.prod(shapes.batch_shape), shapes.heads
+    b = jax.ShapeDtypeStruct((batch, 1, 1, 1), jnp.int32)
+    h = jax.ShapeDtypeStruct((1, heads, 1, 1), jnp.int32)
+    i = jax.ShapeDtypeStruct((1, 1, block_q, 1), jnp.int32)
+    j = jax.ShapeDtypeStruct((1, 1, 1, block_k), jnp.int32)
+    shape = (1, 1, 1, 1, *jax.eval_shape(mask_mod, b, h, i, j).shape)[-4:]
+    batch, heads = (batch if shape[0] != 1 else 1), (heads if shape[1] != 1 else 1)
+    flags = _flags(mask_mod, batch, heads, shapes.seq_q, shapes.seq_k, block_q, block_k)
+    return _internal(flags, batch, heads, shapes)
+
+
+def _internal(flags: Array, lead_b: int, heads: int, shapes: Shapes) -> Array:
+    """Flags `(..., heads, num_q, num_k)` in the internal layout (`block_flags_for`)."""
     num_q, num_k = flags.shape[-2:]
-    lead_b = math.prod(block_mask.batch_shape)
-    if block_mask.heads == 1:
+    if heads == 1:
         return flags.reshape(lead_b, 1, 1, num_q, num_k)
     grouped = flags.reshape(lead_b, shapes.kv_heads, shapes.groups, num_q, num_k)
     hi, lo = grouped.max(axis=2, keepdims=True), grouped.min(axis=2, keepdims=True)

@@ -19,7 +19,7 @@ from beartype import beartype
 from jaxtyping import Array, PRNGKeyArray, jaxtyped
 
 from ._backward import backward, prepare
-from ._block_mask import BlockMask, block_flags_for
+from ._block_mask import BlockMask, block_flags_for, derived_flags
 from ._config import KernelConfig, decode_config, kernel_config, kernel_dtype, stat_dtype
 from ._decode import decode_forward, reads_raw_cache
 from ._forward import forward
@@ -237,11 +237,13 @@ def flash_attention(
         through its derivative, and to its floating arrays (leaves and closed-over
         traced arrays), accumulated block by block.
     - `mask_mod`: `mask_mod(batch, head, q_idx, kv_idx) -> bool`, elementwise, True
-        attends; ANDed with every other mask. Evaluated per block; a block it empties is
-        skipped.
+        attends; ANDed with every other mask. Blocks it empties are never computed, and
+        blocks it fills skip evaluating it: without a `block_mask`, the call summarises
+        it per block pair first (one evaluation over the grid, block by block, memory
+        O(number of blocks)), over the batch and head axes only if it depends on them.
     - `block_mask`: `eqx_flash.make_block_mask(mask_mod, ...)` for this call's sizes and
-        block sizes (else `ValueError`), given with the same `mask_mod`: blocks it proves
-        empty are never computed, blocks it proves full skip evaluating `mask_mod`.
+        block sizes (else `ValueError`), given with the same `mask_mod`: that summary,
+        built once and reused across calls.
 
     Order of operations: `s = scale * q.k + bias + alibi`, then `score_mod`, then
     `softcap`, then every mask (`mask`, `attn_mask`, `mask_mod`, causal, window, segment
@@ -281,6 +283,9 @@ def flash_attention(
     if block_mask is not None:
         masks = masks._replace(block_flags=block_flags_for(
             block_mask, mask_mod, shapes, cfg.block_q, cfg.block_k))
+    elif mask_mod is not None:
+        masks = masks._replace(block_flags=derived_flags(
+            mask_mod, shapes, cfg.block_q, cfg.block_k))
     if flex_cfg is None:
         cfg = decode_config(cfg)
     else:  # the regular kernels, at the block sizes the modifications were traced at

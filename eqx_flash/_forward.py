@@ -32,7 +32,7 @@ from ._config import KernelConfig, stat_dtype
 from ._heads import Head, per_head
 from ._masking import Masks
 from ._mods import NO_FLEX, FlexArrays
-from ._schedule import Bands, band_ranges, over_band, run_limits
+from ._schedule import Bands, Limits, band_ranges, over_band, run_limits
 from ._scores import ScoreMods
 
 
@@ -83,7 +83,7 @@ def _head(
 
 
 def _query_block(
-    inputs: _HeadInputs, bands: Bands, limits: tuple[Array, Array] | None, i: Array
+    inputs: _HeadInputs, bands: Bands, limits: Limits | None, i: Array
 ) -> tuple[Array, Array]:
     """`(out, lse)` of query block `i`, `(groups, block_q, dim_v)` and `(groups, block_q)`."""
     cfg = inputs.cfg

@@ -308,3 +308,20 @@ def prepare(
     if mask_mod is not None:
         mask, mask_arrays = check_mask_mod(mask_mod, probe[1:], (groups, block_q, block_k))
     return Flex(score, mask, heads), FlexArrays(score_diff, score_const, mask_arrays)
+
+
+class AtPositions(eqx.Module):
+    """A `score_mod` or `mask_mod` called with absolute positions: query `i` at
+    `q_offset + i`, key `j` at `kv_positions[j]` (at `j` without them). KV-cache decoding
+    attends new queries at the end of the cache (or keys in a rolling buffer), and a
+    modification written for the whole sequence must see where they are in it."""
+
+    mod: Callable[..., Any]
+    q_offset: Int[Array, ""]
+    kv_positions: Int[Array, " seq_k"] | None = None
+
+    def __call__(self, *args: Any) -> Any:
+        *rest, q_idx, kv_idx = args
+        if self.kv_positions is not None:
+            kv_idx = self.kv_positions.at[kv_idx].get(mode="clip")
+        return self.mod(*rest, q_idx + self.q_offset, kv_idx)

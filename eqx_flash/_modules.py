@@ -19,6 +19,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, jaxtyped
 from ._block_mask import BlockMask
 from ._cache import KVCache
 from ._flash import flash_attention
+from ._mods import AtPositions
 from ._options import check_rate, make_options
 from ._types import (
     AlibiSlopes,
@@ -566,6 +567,10 @@ class FlashMultiheadAttention(eqx.Module):
             `v` `(n, num_kv_heads, vo_size)` and `positions` `(n,)` int32, e.g. `rotary`
             at the tokens' absolute positions.
 
+        The layer's `score_mod` and `mask_mod` are called with absolute positions too:
+        `q_idx` is the token's position in the sequence and `kv_idx` the cached key's,
+        as the full-sequence call would call them.
+
         **Returns:**
 
         `(out, cache)`: `(n, output_size)` and the cache holding the new tokens too.
@@ -575,11 +580,6 @@ class FlashMultiheadAttention(eqx.Module):
         `ValueError` if the cache does not fit the layer, or is rolling while the layer's
         window is not causal or reaches further back than the buffer.
         """
-        if self.score_mod is not None or self.mask_mod is not None:
-            raise NotImplementedError(
-                "decode with a score_mod or mask_mod is not supported yet; got "
-                f"score_mod={self.score_mod!r}, mask_mod={self.mask_mod!r}"
-            )
         expected = (self.num_kv_heads, self.qk_size, self.vo_size)
         got = (cache.k.shape[0], cache.k.shape[2], cache.v.shape[2])
         if got != expected:
@@ -608,9 +608,11 @@ class FlashMultiheadAttention(eqx.Module):
                                           softcap=self.softcap)
             if cache.window is None:
                 # Write first, then attend to the valid prefix: causal/window align on it.
+                mods = self._mods_at(positions[0], None)
                 cache = cache.append(k, v)
                 heads, _ = flash_attention(q, cache.k, cache.v, kv_lengths=cache.length,
-                                           causal=self.causal, window=self.window, **blocks)
+                                           causal=self.causal, window=self.window, **blocks,
+                                           **mods)
             else:
                 window = make_options(**self._options()).window
                 if window.right != 0 or window.left is None or window.left >= cache.size:
@@ -627,10 +629,18 @@ class FlashMultiheadAttention(eqx.Module):
                     q, jnp.concatenate([cache.k, k.astype(cache.k.dtype)], axis=1),
                     jnp.concatenate([cache.v, v.astype(cache.v.dtype)], axis=1),
                     attn_mask=allowed, **blocks,
+                    **self._mods_at(positions[0], jnp.maximum(key_pos, 0)),
                 )
                 cache = cache.append(k, v)
             attn = jnp.swapaxes(heads, 0, 1).reshape(n, -1)
             return jax.vmap(self.output_proj)(attn), cache
+
+
+    def _mods_at(self, q_offset: Array, kv_positions: Array | None) -> dict[str, Any]:
+        """The layer's `score_mod`/`mask_mod` for `decode`, at the tokens' absolute
+        positions (`AtPositions`): as `self(x_all, ...)` would call them for these rows."""
+        return {name: None if mod is None else AtPositions(mod, q_offset, kv_positions)
+                for name, mod in (("score_mod", self.score_mod), ("mask_mod", self.mask_mod))}
 
 
 def _check_heads(num_heads: Any, num_kv_heads: Any) -> None:

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
 
+from ._block_mask import EMPTY, FULL
 from ._config import KernelConfig
 from ._masking import Masks, lengths_or
 from ._options import Window
@@ -139,16 +140,15 @@ def _interval(pairs: Array) -> tuple[Array, Array]:
     return lo, hi
 
 
-def block_mask_limits(masks: Masks, by: str) -> tuple[Array, Array] | None:
-    """Per outer block, the inner blocks `[lo, hi)` between the first and the last that a
-    `block_mask` (`masks.block_flags`, one head's `(1, num_q, num_k)`) leaves non-empty;
-    None without one. A causal or banded `mask_mod` then runs the loop of its band only;
-    empty blocks inside the range are skipped by `_block.visit`."""
+def oriented_flags(masks: Masks, by: str) -> Array | None:
+    """One head's `block_mask` flags (`masks.block_flags`, `(1, num_q, num_k)`) as
+    `[n_outer, n_inner]` for a loop `by` query (`"q"`) or key (`"k"`) blocks; None
+    without one."""
     flags = masks.block_flags
     if flags is None:
         return None
-    nonempty = flags.reshape(flags.shape[-2:]) != 0
-    return _interval(nonempty.T if by == "k" else nonempty)
+    flags = flags.reshape(flags.shape[-2:])
+    return flags.T if by == "k" else flags
 
 
 def length_limits(cfg: KernelConfig, masks: Masks, by: str) -> tuple[Array, Array] | None:
@@ -183,33 +183,47 @@ def length_limits(cfg: KernelConfig, masks: Masks, by: str) -> tuple[Array, Arra
     return lo.astype(jnp.int32), hi.astype(jnp.int32)
 
 
-def run_limits(cfg: KernelConfig, masks: Masks, by: str) -> tuple[Array, Array] | None:
-    """The run-time narrowing of the static band: `segment_limits`, `length_limits` and
-    `block_mask_limits` intersected (None when none applies)."""
-    found = [x for x in (segment_limits(cfg, masks, by), length_limits(cfg, masks, by),
-                         block_mask_limits(masks, by))
+class Limits(NamedTuple):
+    """The run-time narrowing of the static band (`run_limits`)."""
+
+    lo: Array  # per outer block, the inner blocks [lo, hi) that may attend
+    hi: Array
+    # A `block_mask`'s flags, `[n_outer, n_inner]` int8 (`oriented_flags`), or None.
+    flags: Array | None = None
+
+
+def run_limits(cfg: KernelConfig, masks: Masks, by: str) -> Limits | None:
+    """`segment_limits` and `length_limits` intersected, with the `block_mask`'s flags
+    (None when none applies)."""
+    found = [x for x in (segment_limits(cfg, masks, by), length_limits(cfg, masks, by))
              if x is not None]
+    flags = oriented_flags(masks, by)
     if not found:
-        return None
+        if flags is None:
+            return None
+        n_outer, n_inner = flags.shape
+        found = [(jnp.zeros(n_outer, jnp.int32), jnp.full(n_outer, n_inner, jnp.int32))]
     lo, hi = found[0]
     for other_lo, other_hi in found[1:]:
         lo, hi = jnp.maximum(lo, other_lo), jnp.minimum(hi, other_hi)
-    return lo, jnp.maximum(hi, lo)
+    return Limits(lo, jnp.maximum(hi, lo), flags)
 
 
 def over_band(
     bands: Bands, outer: Array, step: Callable[[Any, Array, bool], Any], carry: Any,
-    limits: tuple[Array, Array] | None = None,
+    limits: Limits | None = None,
 ) -> Any:
-    """Fold `step(carry, inner_block, positional)` over the inner blocks of one outer
-    block: first the whole ones (no positional mask), then the partial ones at either end
-    of the band; all clipped to `limits` (`segment_limits`) if given. Trip counts are
-    dynamic, so every outer block shares one compiled loop."""
+    """Fold `step(carry, inner_block, masked)` over the inner blocks of one outer block:
+    first the whole ones (`masked=False`: no positional mask, no `mask_mod`), then those
+    that need their masks; all clipped to `limits` (`run_limits`) if given. Trip counts
+    are dynamic, so every outer block shares one compiled loop."""
+    if limits is not None and limits.flags is not None:
+        return _over_listed(bands, outer, step, carry, limits, limits.flags)
     # The band's three runs: partial [lo, full_lo), whole [full_lo, full_hi), partial
     # [full_hi, hi). Clipping every end into [seg_lo, seg_hi] intersects each run with it.
     ends = [jnp.asarray(x)[outer] for x in bands]
     if limits is not None:
-        ends = [jnp.clip(x, limits[0][outer], limits[1][outer]) for x in ends]
+        ends = [jnp.clip(x, limits.lo[outer], limits.hi[outer]) for x in ends]
     lo, full_lo, full_hi, hi = ends
     if int(np.max(bands.full_hi - bands.full_lo, initial=0)) > 0:
         carry = jax.lax.fori_loop(full_lo, full_hi, lambda j, c: step(c, j, False), carry)
@@ -221,3 +235,26 @@ def over_band(
 
         carry = jax.lax.fori_loop(0, n_left + hi - full_hi, partial, carry)
     return carry
+
+
+def _over_listed(
+    bands: Bands, outer: Array, step: Callable[[Any, Array, bool], Any], carry: Any,
+    limits: Limits, flags: Array,
+) -> Any:
+    """`over_band` with a `block_mask`: its blocks need not form runs, so the outer
+    block's inner blocks are listed, whole ones (full by position and by the flags)
+    first, then the rest of the non-empty ones, as FlexAttention's `full_kv_indices`
+    and `kv_indices`. Two branch-free loops over the list: a per-block `lax.cond` on
+    the flag would move the accumulators in and out of a separate computation."""
+    lo, full_lo, full_hi, hi = (jnp.asarray(x)[outer] for x in bands)
+    lo, hi = jnp.maximum(lo, limits.lo[outer]), jnp.minimum(hi, limits.hi[outer])
+    inner = jnp.arange(flags.shape[1], dtype=jnp.int32)
+    flag = flags[outer]
+    inside = (inner >= lo) & (inner < hi) & (flag != EMPTY)
+    whole = inside & (inner >= full_lo) & (inner < full_hi) & (flag == FULL)
+    rank = jnp.where(whole, 0, jnp.where(inside, 1, 2)).astype(jnp.int32)
+    order = jnp.argsort(rank, stable=True).astype(jnp.int32)
+    n_whole = jnp.sum(whole, dtype=jnp.int32)
+    n_inside = jnp.sum(inside, dtype=jnp.int32)
+    carry = jax.lax.fori_loop(0, n_whole, lambda t, c: step(c, order[t], False), carry)
+    return jax.lax.fori_loop(n_whole, n_inside, lambda t, c: step(c, order[t], True), carry)

@@ -47,21 +47,28 @@ def additive(
 
 
 def accumulate(
-    grads: ScoreMods, mods: ScoreMods, d_scores: Array, q_start: Array, k_start: Array,
+    grads: ScoreMods, mods: ScoreMods, d_scores_t: Array, q_start: Array, k_start: Array,
     q_pos: Array, k_pos: Array, offset: int,
 ) -> ScoreMods:
-    """Add one block's cotangent of the pre-cap logits, `d_scores` `(g, bq, bk)`, into
-    the running cotangents `grads` (shaped as one head's `mods`, in float32/64)."""
+    """Add one block's cotangent of the pre-cap logits into the running cotangents
+    `grads` (shaped as one head's `mods`, in float32/64). `d_scores_t` is in the backward
+    kernel's transposed layout, `(bk, g, bq)`, and is reduced before anything is
+    transposed: a slope's cotangent never moves the block, a bias's only as much of it as
+    the bias has (all of it for a full bias). Positions as `_block.positions` gives them."""
     d_bias, d_slopes = grads
     if mods.bias is not None and d_bias is not None:
-        axes = tuple(a for a in range(3) if mods.bias.shape[a] == 1 and d_scores.shape[a] != 1)
-        part = d_scores.sum(axis=axes, keepdims=True).astype(d_bias.dtype)
+        # bias axes (g, q, k) are d_scores_t's axes (1, 2, 0)
+        axes = tuple(t for a, t in ((0, 1), (1, 2), (2, 0))
+                     if mods.bias.shape[a] == 1 and d_scores_t.shape[t] != 1)
+        part = d_scores_t.sum(axis=axes, keepdims=True).transpose(1, 2, 0)
+        part = part.astype(d_bias.dtype)
         starts = (0, q_start if d_bias.shape[1] != 1 else 0, k_start if d_bias.shape[2] != 1 else 0)
         old = jax.lax.dynamic_slice(d_bias, starts, part.shape)
         d_bias = jax.lax.dynamic_update_slice(d_bias, old + part, starts)
     if mods.slopes is not None and d_slopes is not None:
-        dist = alibi_distance(q_pos, k_pos, offset).astype(d_scores.dtype)
-        part = -(d_scores * dist).sum(axis=(1, 2), keepdims=True)
+        dist = alibi_distance(q_pos.reshape(1, 1, -1), k_pos.reshape(-1, 1, 1), offset)
+        part = -(d_scores_t * dist.astype(d_scores_t.dtype)).sum(axis=(0, 2))  # (g,)
+        part = part.reshape(-1, 1, 1)
         if d_slopes.shape[0] == 1:
             part = part.sum(axis=0, keepdims=True)
         d_slopes = d_slopes + part.astype(d_slopes.dtype)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from helpers import assert_close
 
-from eqx_flash import FlashMultiheadAttention, KVCache, rotary
+from eqx_flash import ALiBi, FlashMultiheadAttention, KVCache, RelativePositionBias, rotary
 
 
 def _rope(q, k, v, positions):
@@ -39,6 +39,34 @@ def test_prefill_then_steps_equal_full_attention(getkey, window):
         out, cache = decode(mha, x[t : t + 1], cache)
         outs.append(out)
     assert int(cache.length) == 11
+    assert_close(jnp.concatenate(outs), expected)
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_decode_with_score_and_mask_mods(getkey, window):
+    """A layer's score_mod and mask_mod see absolute positions in `decode`, so prefill and
+    steps give the rows of the full-sequence call (which ALiBi and a relative-position
+    bias need, and a prefix-LM mask: the prompt's tokens see each other both ways)."""
+    layer_window = None if window is None else (window - 1, 0)
+    prefix = 3
+
+    def prefix_lm(b, h, q_idx, kv_idx):  # the prompt sees itself both ways
+        return (kv_idx <= q_idx) | (kv_idx < prefix)
+
+    mha = FlashMultiheadAttention(
+        4, 16, num_kv_heads=2, window=layer_window, key=getkey(),
+        score_mod=RelativePositionBias(4, key=getkey()) if window else ALiBi(4),
+        mask_mod=prefix_lm,
+    )
+    x = jax.random.normal(getkey(), (10, 16))
+    expected = mha(x, x, x)
+    cache = mha.init_cache(12, window=window)
+    decode = eqx.filter_jit(lambda m, x, c: m.decode(x, c))
+    out, cache = decode(mha, x[:prefix], cache)
+    outs = [out]
+    for t in range(prefix, 10):
+        out, cache = decode(mha, x[t : t + 1], cache)
+        outs.append(out)
     assert_close(jnp.concatenate(outs), expected)
 
 

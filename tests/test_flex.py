@@ -515,8 +515,6 @@ def test_modules_take_modifications_as_fields_and_per_call():
                                atol=1e-4 * scale)
     np.testing.assert_allclose(got.query_proj.weight, expected.query_proj.weight,
                                atol=1e-4 * float(jnp.abs(expected.query_proj.weight).max()))
-    with pytest.raises(NotImplementedError, match="decode.*score_mod"):
-        mha.decode(x[0, :2], mha.init_cache(8))
 
     converted = eqx_flash.FlashMultiheadAttention.from_eqx(
         eqx.nn.MultiheadAttention(heads, 16, key=jax.random.key(0)), score_mod=rpb)
@@ -605,18 +603,28 @@ def test_failing_score_mod_names_itself():
         _flash(q, k, v, score_mod=lambda s, b, h, i, j: s + jnp.zeros((7, 5)))
 
 
-def test_block_mask_limits_follow_the_band():
-    """With a block_mask, each outer block loops over the range between its first and last
-    non-empty inner block: for causal, exactly `causal=True`'s static band."""
+def test_block_mask_schedule_follows_the_band():
+    """With a block_mask, each outer block visits its flagged blocks, whole ones without
+    masks: for causal, exactly `causal=True`'s band, with the same blocks whole."""
+    from eqx_flash._config import kernel_config
     from eqx_flash._masking import Masks
-    from eqx_flash._options import Window
-    from eqx_flash._schedule import band_ranges, block_mask_limits
+    from eqx_flash._options import Window, make_options
+    from eqx_flash._schedule import band_ranges, over_band, run_limits
+    from eqx_flash._shapes import Shapes
 
     causal = lambda b, h, i, j: j <= i + OFFSET  # noqa: E731
     flags = make_block_mask(causal, (), 1, SQ, SK, **BLOCKS).flags.reshape(1, 3, 3)
+    cfg = kernel_config(make_options(**BLOCKS), Shapes((), 1, 1, SQ, SK, 8, 8, False))
     for by in ("q", "k"):
-        limits = block_mask_limits(Masks(block_flags=flags), by)
-        assert limits is not None
+        limits = run_limits(cfg, Masks(block_flags=flags), by)
+        unmasked = band_ranges(SQ, SK, 16, 24, Window(), OFFSET, by=by)  # no static band
         band = band_ranges(SQ, SK, 16, 24, Window(None, 0), OFFSET, by=by)
-        np.testing.assert_array_equal(limits[0], band.lo, err_msg=by)
-        np.testing.assert_array_equal(limits[1], band.hi, err_msg=by)
+        for outer in range(3):
+            seen = over_band(unmasked, jnp.int32(outer),
+                             lambda c, j, masked: c.at[j, int(masked)].add(1),
+                             jnp.zeros((3, 2), jnp.int32), limits)
+            inner = np.arange(3)
+            whole = (inner >= band.full_lo[outer]) & (inner < band.full_hi[outer])
+            some = (inner >= band.lo[outer]) & (inner < band.hi[outer])
+            np.testing.assert_array_equal(seen[:, 0], whole, err_msg=by)
+            np.testing.assert_array_equal(seen[:, 1], some & ~whole, err_msg=by)
