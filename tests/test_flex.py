@@ -286,9 +286,28 @@ def test_block_mask_skips_empty_blocks(monkeypatch):
     counter = _BlockCounter(monkeypatch)
     counts = counter.run(lambda: _flash(q, k, v, mask_mod=mask_mod, block_mask=block_mask))
     assert counts["forward"] == B * H * keep.sum()
+    # Without a block_mask the call summarises the mask_mod itself: the same blocks.
+    assert counter.run(lambda: _flash(q, k, v, mask_mod=mask_mod)) == counts
     out, _ = _flash(q, k, v, mask_mod=mask_mod, block_mask=block_mask)
     ref, _ = plain_attention(q, k, v, mask_mod=mask_mod)
     np.testing.assert_allclose(out, ref, atol=2e-5)
+
+
+def test_derived_summary_follows_batch_and_heads(monkeypatch):
+    """Without a block_mask, a mask_mod that depends on the batch element and the head is
+    summarised per (batch, head): values as the reference's, and the same blocks computed
+    as with `make_block_mask` for the full batch and heads."""
+    q, k, v = _qkv(kv_heads=H)
+    mask_mod = lambda b, h, i, j: (j <= i + h * 20 - 30) & (b == 0) | (j < 4)  # noqa: E731
+    block_mask = make_block_mask(mask_mod, (B,), H, SQ, SK, **BLOCKS)
+    out, lse = _flash(q, k, v, mask_mod=mask_mod)
+    ref, ref_lse = plain_attention(q, k, v, mask_mod=mask_mod)
+    np.testing.assert_allclose(out, ref, atol=2e-5)
+    np.testing.assert_allclose(lse, ref_lse, atol=2e-5)
+    counter = _BlockCounter(monkeypatch)
+    given = counter.run(lambda: _flash(q, k, v, mask_mod=mask_mod, block_mask=block_mask))
+    assert 0 < given["forward"] < B * H * 9
+    assert counter.run(lambda: _flash(q, k, v, mask_mod=mask_mod)) == given
 
 
 def test_make_block_mask_partial_and_heads():
