@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
 
 from eqx_flash import (
     RelativePositionBias,
@@ -17,6 +18,7 @@ from eqx_flash import (
     make_block_mask,
     plain_attention,
 )
+from eqx_flash.testing import attention_inputs, check_attention
 
 B, H, KH, SQ, SK, D = 2, 4, 2, 21, 27, 8
 BLOCKS = dict(block_q=8, block_k=8)  # several blocks, neither length a multiple
@@ -127,27 +129,21 @@ def _linear_calls(jaxpr) -> list[tuple[bool, tuple[bool, ...]]]:
     return found
 
 
-@pytest.mark.parametrize("argnums", [(0,), (4,)], ids=str)
+@pytest.mark.parametrize("argnums", [(0,), (0, 3), (4,)], ids=str)
 def test_grad_runs_the_backward_kernel_for_what_is_asked(argnums):
     """Reverse mode is one call of the backward kernel, asked only for the cotangents of
     the differentiated arguments: a constant bias or slopes cost no accumulation (the
-    kernel's `mods_wanted` comes from `which`); the gradients equal plain attention's."""
+    kernel's `mods_wanted` comes from `which`). (The values: test_score_mods.py.)"""
     q, k, v = _qkv()
     args = (q, k, v, _normal(7, (H, SQ, SK)), jnp.asarray([0.3, 0.2, 0.1, 0.05]))
 
-    def loss(fn):
-        def f(*a):
-            out, lse = fn(*a[:3], bias=a[3], alibi_slopes=a[4], causal=True)
-            return jnp.sum(out**2) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+    def loss(*a):
+        out, _ = flash_attention(*a[:3], bias=a[3], alibi_slopes=a[4], causal=True, **BLOCKS)
+        return jnp.sum(out**2)
 
-        return jax.grad(f, argnums=argnums)
-
-    flash = loss(lambda *a, **kw: flash_attention(*a, **kw, **BLOCKS))
-    calls = _linear_calls(jax.make_jaxpr(flash)(*args).jaxpr)
+    calls = _linear_calls(jax.make_jaxpr(jax.grad(loss, argnums=argnums))(*args).jaxpr)
     # leaves: q, k, v, bias, slopes
     assert calls == [(True, tuple(i in argnums for i in range(5)))], calls
-    for a, b in zip(flash(*args), loss(plain_attention)(*args), strict=True):
-        np.testing.assert_allclose(a, b, atol=1e-4 * max(float(jnp.abs(b).max()), 1.0))
 
 
 def test_second_order_through_the_bias_raises_clearly():
@@ -231,3 +227,12 @@ def test_scm_pattern_with_a_learned_position_bias():
     got, expected = loss(flash_attention, **BLOCKS), loss(plain_attention)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5 * max(float(jnp.abs(b).max()), 1.0))
+
+
+@given(attention_inputs(bias=None, alibi=None, score_mod=None, mask_mod=None,
+                        dtypes=(jnp.float32,), max_seq=48, dims=(8,)))
+@settings(max_examples=3)
+def test_jvp_property(inputs):
+    """Over the strategy, with every other feature drawn too: `check_attention(jvp=True)`
+    perturbs the bias, the slopes and the score_mod's arrays along with q, k, v."""
+    check_attention(flash_attention, inputs, grads=False, jvp=True)
