@@ -85,8 +85,8 @@ def _attention_fwd(cfg, q, k, v, mods, score, masks, flex, seed):
 def _attention_bwd(cfg, residuals, cotangents):
     q, k, v, mods, score, out, lse, masks, flex, seed = residuals
     lse, delta = prepare(out, lse, *cotangents)
-    # (Reverse mode goes through `_attention_ad`'s rule, whose transpose asks the kernel
-    # only for the cotangents of arguments with a tangent: `_tangent._linear_fn`.)
+    # `flash_attention` differentiates through `_attention_ad`'s rule instead, whose
+    # transpose runs this kernel asked only for the cotangents of what has a tangent.
     d_q, d_k, d_v, d_mods, d_score = backward(
         cfg, q, k, v, mods, lse, delta, cotangents[0], masks, seed, flex._replace(score=score)
     )
