@@ -29,7 +29,7 @@ from ._mods import prepare as prepare_mods
 from ._options import make_options
 from ._scores import ScoreMods
 from ._shapes import Shapes, merge_heads, split_heads
-from ._tangent import reverse_only, with_forward_mode
+from ._tangent import with_forward_mode
 from ._types import (
     LSE,
     AlibiSlopes,
@@ -82,18 +82,13 @@ def _attention_fwd(cfg, q, k, v, mods, score, masks, flex, seed):
     return (out, lse), (q, k, v, mods, score, out, lse, masks, flex, seed)
 
 
-def _attention_bwd(cfg, residuals, cotangents, wanted=None):
+def _attention_bwd(cfg, residuals, cotangents):
     q, k, v, mods, score, out, lse, masks, flex, seed = residuals
     lse, delta = prepare(out, lse, *cotangents)
-    # Score terms without a tangent (constant ALiBi slopes, a fixed bias) get no cotangent
-    # accumulation in the kernel; `reverse_only` drops their (zero) cotangents anyway.
-    mods_wanted = (True, True)
-    if wanted is not None:
-        bias, slopes = wanted[3]  # a ScoreMods of bools (None: the term is absent)
-        mods_wanted = (bool(bias), bool(slopes))
+    # `flash_attention` differentiates through `_attention_ad`'s rule instead, whose
+    # transpose runs this kernel asked only for the cotangents of what has a tangent.
     d_q, d_k, d_v, d_mods, d_score = backward(
-        cfg, q, k, v, mods, lse, delta, cotangents[0], masks, seed, flex._replace(score=score),
-        mods_wanted,
+        cfg, q, k, v, mods, lse, delta, cotangents[0], masks, seed, flex._replace(score=score)
     )
     no_grad = jax.tree.map(lambda _: None, (masks, flex))
     return d_q, d_k, d_v, d_mods, d_score, *no_grad, None
@@ -102,29 +97,9 @@ def _attention_bwd(cfg, residuals, cotangents, wanted=None):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def _attention_without_scores(cfg: KernelConfig, q, k, v, masks: Masks, seed):
-    return _attention(cfg, q, k, v, ScoreMods(), None, masks, FlexArrays(), seed)
-
-
-def _reverse_only(names: str) -> Any:
-    return reverse_only(
-        _attention,
-        lambda cfg, args, outs: (*args[:5], *outs, *args[5:]),  # _attention_fwd's residuals
-        _attention_bwd,
-        "forward-mode autodiff (jax.jvp, jax.linearize, jax.jacfwd) through flash_attention "
-        f"with {names} is not supported yet; reverse mode is. For forward mode, leave out "
-        f"{names} or use eqx_flash.plain_attention.",
-        num_diff=5,
-        bwd_skips_unwanted=True,
-    )
-
-
 # Forward mode on top: a custom_jvp whose tangent transposes into `_attention_bwd`'s kernel
-# (`_tangent`). The tangent kernel has no score terms yet: with a bias, ALiBi, a score_mod
-# or a mask_mod, forward mode raises a clear error, and reverse mode is `_attention_bwd`.
-_attention_ad = with_forward_mode(_attention_without_scores)
-_attention_scores_ad = _reverse_only("bias or alibi_slopes")
-_attention_flex_ad = _reverse_only("score_mod or mask_mod (or block_mask)")
+# (`_tangent`), with every score term and modification.
+_attention_ad = with_forward_mode(_attention)
 
 
 def _pad_axis(x: Array | None, axis: int, size: int) -> Array | None:
@@ -159,12 +134,7 @@ def _blockwise(
     )
     masks = masks._replace(block_flags=flags)
     # `functools.partial(jax.custom_vjp, ...)` hides the return type from type checkers.
-    if cfg.flex is not None:
-        result = _attention_flex_ad(cfg, q, k, v, mods, score, masks, flex, seed)
-    elif mods.is_empty:
-        result = _attention_ad(cfg, q, k, v, masks, seed)
-    else:
-        result = _attention_scores_ad(cfg, q, k, v, mods, None, masks, FlexArrays(), seed)
+    result = _attention_ad(cfg, q, k, v, mods, score, masks, flex, seed)
     out, lse = cast(tuple[Array, Array], result)
     return merge_heads(out[..., : cfg.seq_q, :].astype(dtype), lse[..., : cfg.seq_q], shapes)
 

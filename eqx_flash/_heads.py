@@ -22,10 +22,12 @@ class Head(NamedTuple):
     masks: Masks  # each `(groups|1, seq_q|1, seq_k|1)`
     mods: ScoreMods  # likewise
     head_ids: Array  # flat q-head index of each group, `(groups, 1, 1)` (for dropout)
+    d_mods: ScoreMods = ScoreMods()  # tangents of `mods` (forward mode), shaped likewise
 
 
 HeadKernel = Callable[..., Any]  # (head, per-head arrays[, Rows of the whole arrays])
-Shared = tuple[Masks, ScoreMods]
+# Masks and score terms, and in forward mode the score terms' tangents.
+Shared = tuple[Masks, ScoreMods] | tuple[Masks, ScoreMods, ScoreMods]
 
 
 class Rows(NamedTuple):
@@ -66,8 +68,8 @@ def per_head(
     groups = arrays[0].shape[2] if arrays[0].ndim == 5 else 1
 
     def one(b: Array, h: Array, xs: tuple[Array, ...], shared_bh: Shared) -> Any:
-        masks_bh, mods_bh = shared_bh
-        head = Head(masks_bh, mods_bh, flat_head_index(b, h, kv_heads, groups))
+        masks_bh, mods_bh, *d_mods_bh = shared_bh
+        head = Head(masks_bh, mods_bh, flat_head_index(b, h, kv_heads, groups), *d_mods_bh)
         if not whole:
             return fn(head, xs)
         if len(xs) > len(arrays):  # vmapped: the whole arrays came sliced per head

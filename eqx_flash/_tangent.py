@@ -6,11 +6,12 @@ the hand-written backward for reverse mode.
 `tangent` computes `(out, lse, d_out, d_lse)` for tangents `(dq, dk, dv)` in one pass over
 the forward's band schedule (`_schedule.band_ranges`, `_block.over_band`), with online
 softmax, so nothing of size seq_q x seq_k is stored. Per query row, with `P = softmax(S)`
-over the attended keys, `S` the scaled (and capped) logits and `M` the dropout multiplier
-(`keep / (1 - rate)`, or 1):
+over the attended keys, `S` the logits as the forward forms them and `M` the dropout
+multiplier (`keep / (1 - rate)`, or 1):
 
     out    = (P * M) V                                  lse = log sum exp S
-    dS     = scale (dQ K^T + Q dK^T)   [times 1 - tanh^2 with a softcap]
+    dS     = scale (dQ K^T + Q dK^T) + dbias - dslopes |i + offset - j|
+             [then through the score_mod's jvp, and times 1 - tanh^2 with a softcap]
     d_lse  = rowsum(P * dS)                             (dropout does not touch lse)
     d_out  = (P * M) dV + (P * M * dS) V - d_lse * out
 
@@ -19,7 +20,10 @@ accumulates `(P*M) V`, `(P*M) dV + (P*M*dS) V`, `rowsum(P*dS)` and `rowsum(P)` f
 unnormalised weights `exp(S - running_max)`, rescaled together when the max moves, and
 divides once at the end. `dS` is one matmul, `[q, dq] [dk, k]^T`, and `(P*M) [V, dV]`
 another: four block products per step against the forward's two. A row with no key
-gets `out = 0`, `lse = -inf` and zero tangents.
+gets `out = 0`, `lse = -inf` and zero tangents. The score terms (`_scores.additive`) are
+linear, so their tangent is the same terms of the tangents `head.d_mods`; a score_mod's
+is `jax.jvp` of it on the block, along `dS` and the tangents of its arrays. Tangents
+that are zero are not materialised: their products are skipped (`_inputs`).
 
 `tangent_given_stats` is the variant the JVP rule runs: the rule has the forward's `out`
 and `lse` already (reverse mode needs the primal from the `custom_vjp` forward, see
@@ -45,9 +49,11 @@ rule returns
   `tangent_given_stats` (linear in the tangents), and its transpose `backward_fn` is
   today's hand-written backward kernel. So `jax.grad`, which
   linearises through this rule and transposes the linear call, runs exactly the old
-  forward and backward kernels. Only the non-zero tangents enter the linear call (a
-  transpose must see every linear operand undefined), so gradients with respect to a
-  subset of q, k, v work.
+  forward and backward kernels. The differentiable inputs are q, k, v, the score terms
+  (bias, ALiBi slopes) and the score_mod's floating arrays. Only the non-zero tangents
+  enter the linear call (a transpose must see every linear operand undefined), so
+  gradients with respect to a subset of them work, and the backward kernel accumulates
+  the cotangents of a bias or slopes only when they are among them.
 
 Like `linear_call`, the primitive requires its residuals to carry no tangents (its
 transpose is a fixed kernel), so they pass through
@@ -55,10 +61,11 @@ transpose is a fixed kernel), so they pass through
 sCM/MeanFlow pattern (`jax.grad` of a loss on the primal output of a `jax.jvp`, with the
 tangent output under `stop_gradient`): there the derivative of the tangent with respect to
 the residuals is never used. Where it would be used, it would be silently dropped, so it
-is not dropped but *poisoned*: one more residual, `z(q, k, v, out, lse)`, is zero and keeps
-its derivative, which is `_unsupported_p`, a primitive that raises a clear error when it
-is evaluated, compiled or transposed; the linear primitive's JVP adds that derivative to
-its output tangents (forward or transposed). First-order programs contain no trace of it.
+is not dropped but *poisoned*: one more residual, `z` (of the differentiable inputs, out
+and lse), is zero and keeps its derivative, which is `_unsupported_p`, a primitive that
+raises a clear error when it is evaluated, compiled or transposed; the linear
+primitive's JVP adds that derivative to its output tangents (forward or transposed).
+First-order programs contain no trace of it.
 JAX's linearisation removes dead code before transposing, so the poison only fires when a
 second-order term actually reaches an output: a loss on the tangent output itself,
 forward-over-forward (`jacfwd(jacfwd)`), forward-over-reverse (`hessian`) or
@@ -68,7 +75,7 @@ differentiate `plain_attention` instead.
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -84,12 +91,16 @@ from ._config import KernelConfig, stat_dtype
 from ._decode import reads_raw_cache
 from ._heads import Head, per_head
 from ._masking import Masks, valid_rows
+from ._mods import NO_FLEX, FlexArrays, apply_score
 from ._schedule import band_ranges, over_band, run_limits
 from ._scores import ScoreMods
 
+NO_MODS = ScoreMods()
+
 SECOND_ORDER_MESSAGE = (
     "eqx_flash: this needs a second-order derivative of flash attention (a derivative of "
-    "its jvp tangent, or of its gradient, with respect to q, k or v), which is not "
+    "its jvp tangent, or of its gradient, with respect to q, k, v, a bias, ALiBi slopes "
+    "or a score_mod's arrays), which is not "
     "supported. First-order jax.jvp/jax.linearize/jax.jacfwd/jax.grad work, and so does "
     "jax.grad of a loss on the primal output of a jax.jvp when the tangent output enters "
     "the loss only through jax.lax.stop_gradient (the sCM/MeanFlow pattern). Wrap the "
@@ -101,24 +112,116 @@ SECOND_ORDER_MESSAGE = (
 # --- the kernel ---------------------------------------------------------------------------
 
 
-def _step_update(cfg, seed, head, blocks, q_start, k_start, mask, carry):
-    """One (query block, key block) update of the running sums."""
-    q_blk, qq_blk, k_blk, kk_blk, vv_blk, dim_v = blocks
+class _Inputs(NamedTuple):
+    """What every block step of one kv head reads. Tangents that are zero are absent."""
+
+    cfg: KernelConfig
+    seed: Array | None
+    head: Head  # with the score terms' tangents in `head.d_mods`
+    flex: FlexArrays  # the score_mod's and mask_mod's arrays
+    d_score: Any  # tangents of the score_mod's floating arrays (None: zero)
+    has_data: bool
+    q: Array  # (g, seq_q, d), `scaled`
+    qq: Array | None  # against `kk`: qq kk^T = q dk^T + dq k^T (None: dq = dk = 0)
+    k: Array  # (seq_k, d)
+    kk: Array | None
+    vv: Array  # [v, dv] (seq_k, dim_v [+ dim_v]); v alone when dv = 0
+    dim_v: int
+
+
+def _inputs(cfg, seed, has_data, flex, d_score, head, q, k, v, dq, dk, dv) -> _Inputs:
+    """`_Inputs` of one kv head; `dq`, `dk`, `dv` are None where zero, which saves the
+    products they would enter (`dq` alone: `dq k^T` at depth d rather than 2d)."""
+    q = _block.scaled(cfg, q)
+    qq = kk = None
+    if dq is not None and dk is not None:
+        qq = jnp.concatenate([q, _block.scaled(cfg, dq)], axis=-1)
+        kk = jnp.concatenate([dk, k], axis=-1)  # so that [q, dq] [dk, k]^T = q dk^T + dq k^T
+    elif dq is not None:
+        qq, kk = _block.scaled(cfg, dq), k
+    elif dk is not None:
+        qq, kk = q, dk
+    vv = v if dv is None else jnp.concatenate([v, dv], axis=-1)
+    return _Inputs(cfg, seed, head, flex, d_score, has_data, q, qq, k, kk, vv, v.shape[-1])
+
+
+def _score_mod_jvp(inputs: _Inputs, q_start, k_start, ds: Array | None, found: list):
+    """The block's `score_mod` as `_block.logits` applies it, leaving the tangent of its
+    output (from the logits' tangent `ds` and the tangents of its arrays) in `found`.
+    None without a score_mod."""
+    cfg = inputs.cfg
+    if cfg.flex is None or cfg.flex.score is None:
+        return None
+    flex_cfg, flex = cfg.flex, inputs.flex
+    idx = _block.flex_indices(cfg, inputs.head, q_start, k_start)
+
+    def mod(s: Array) -> Array:
+        def apply(s, arrays):
+            return apply_score(flex_cfg, flex._replace(score=arrays), s, idx)
+
+        if ds is None and inputs.d_score is None:
+            return apply(s, flex.score)
+        d_s = jnp.zeros_like(s) if ds is None else jnp.broadcast_to(ds, s.shape)
+        if inputs.d_score is None:
+            out, d_out = jax.jvp(lambda s: apply(s, flex.score), (s,), (d_s,))
+        else:
+            out, d_out = jax.jvp(apply, (s, flex.score), (d_s, inputs.d_score))
+        found.append(d_out)
+        return out
+
+    return mod
+
+
+def _logits_and_tangent(inputs: _Inputs, blocks, q_start, k_start):
+    """The block's logits `s` exactly as the forward computes them (score terms,
+    score_mod, softcap) and their tangent `ds` (None: zero)."""
+    q_blk, qq_blk, k_blk, kk_blk, _ = blocks
+    cfg, head = inputs.cfg, inputs.head
+    stat = stat_dtype(q_blk.dtype)
+    ds = None
+    if qq_blk is not None:
+        ds = _block.matmul(qq_blk, kk_blk, "qd,kd->qk", stat)  # q dk^T + dq k^T
+        if not _block.folds_scale(qq_blk.dtype):
+            ds = ds * jnp.asarray(cfg.scale, stat)
+    # The score terms are linear: their tangent is the same terms of the tangents.
+    d_add = _block.score_terms(cfg, head._replace(mods=head.d_mods), q_start, k_start, stat)
+    if d_add is not None:
+        ds = d_add if ds is None else ds + d_add
+    add = _block.score_terms(cfg, head, q_start, k_start, stat)
+    found: list = []
+    mod = _score_mod_jvp(inputs, q_start, k_start, ds, found)
+    s, t = _block.logits(cfg, q_blk, k_blk, add, mod)
+    if found:
+        ds = found[0]
+    if t is not None and ds is not None:
+        ds = ds * (1.0 - t * t)
+    return s, ds
+
+
+def _weighted(inputs: _Inputs, p: Array, ds: Array) -> Array:
+    """`p * ds`. Where `p = 0`, a score_mod's derivative may leave `ds` non-finite (at
+    logits it sent to -inf): those entries are zeroed (elsewhere `ds` is finite)."""
+    p_ds = p * ds
+    if inputs.cfg.flex is None or inputs.cfg.flex.score is None:
+        return p_ds
+    return jnp.where(p > 0, p_ds, 0.0)
+
+
+def _step_update(inputs: _Inputs, blocks, q_start, k_start, mask, carry):
+    """One (query block, key block) update of the running sums (dq, dk, dv all given)."""
+    vv_blk, dim_v = blocks[4], inputs.dim_v
     acc, acc_t, acc_ds, row_max, row_sum = carry
     stat = acc.dtype
-    s, t = _block.logits(cfg, q_blk, k_blk, None)  # exactly the forward's logits
-    ds = _block.matmul(qq_blk, kk_blk, "qd,kd->qk", stat)  # q dk^T + dq k^T
-    if not _block.folds_scale(qq_blk.dtype):
-        ds = ds * jnp.asarray(cfg.scale, stat)
-    if t is not None:
-        ds = ds * (1.0 - t * t)
+    s, ds = _logits_and_tangent(inputs, blocks, q_start, k_start)
+    assert ds is not None and vv_blk.shape[-1] == 2 * dim_v
     if mask is not None:
         s = jnp.where(mask, s, -jnp.inf)
     new_max = jnp.maximum(row_max, s.max(axis=-1))
     p = jnp.exp(s - new_max[..., None])
     alpha = jnp.exp(row_max - new_max)
-    p_ds = p * ds  # finite: masked entries have p = 0 and finite ds
-    drop = _block.dropout_multiplier(cfg, seed, head, q_start, k_start, stat)
+    p_ds = _weighted(inputs, p, ds)
+    drop = _block.dropout_multiplier(inputs.cfg, inputs.seed, inputs.head, q_start, k_start,
+                                     stat)
     if drop is None:
         p_v, p_ds_v = p, p_ds
     else:
@@ -135,44 +238,45 @@ def _step_update(cfg, seed, head, blocks, q_start, k_start, mask, carry):
     )
 
 
-def _band_step(update_fn, cfg, seed, head, arrays, q_start, has_data, carry, j, positional):
-    """`over_band` step: key block `j` against the query block at `q_start`, updating the
-    carry with `update_fn` (`_step_update` or `_given_stats_update`)."""
-    q_blk, qq_blk, k, kk, vv, dim_v = arrays
+def _band_step(update_fn, inputs: _Inputs, i, q_blks, carry, j, positional):
+    """`over_band` step: key block `j` against query block `i` (`q_blks`: its rows of `q`
+    and `qq`), updating the carry with `update_fn` (`_step_update` or
+    `_given_stats_update`), masked and skipped as the forward masks and skips it."""
+    cfg = inputs.cfg
     k_start = j * cfg.block_k
-    k_blk = _block.rows(k, k_start, cfg.block_k, 0)
-    kk_blk = _block.rows(kk, k_start, cfg.block_k, 0)
-    vv_blk = _block.rows(vv, k_start, cfg.block_k, 0)
-    mask = _block.allowed(cfg, head.masks, q_start, k_start, positional)
+    k_blk = _block.rows(inputs.k, k_start, cfg.block_k, 0)
+    kk_blk = None if inputs.kk is None else _block.rows(inputs.kk, k_start, cfg.block_k, 0)
+    vv_blk = _block.rows(inputs.vv, k_start, cfg.block_k, 0)
     update = functools.partial(
-        update_fn, cfg, seed, head, (q_blk, qq_blk, k_blk, kk_blk, vv_blk, dim_v),
-        q_start, k_start, mask,
+        update_fn, inputs, (*q_blks, k_blk, kk_blk, vv_blk), i * cfg.block_q, k_start
     )
-    return _block.skip_if_empty(mask, has_data, update, carry)
+    return _block.visit(cfg, inputs.head, inputs.flex, i, j, positional, inputs.has_data,
+                        update, carry)
 
 
-def _query_block(cfg, seed, head, arrays, has_data, bands, limits, _, i):
+def _query_rows(inputs: _Inputs, i) -> tuple[Array, Array | None]:
+    """Query block `i`'s rows of `q` and `qq`."""
+    bq = inputs.cfg.block_q
+    q_blk = _block.rows(inputs.q, i * bq, bq, 1)
+    qq_blk = None if inputs.qq is None else _block.rows(inputs.qq, i * bq, bq, 1)
+    return q_blk, qq_blk
+
+
+def _query_block(inputs: _Inputs, bands, limits, _, i):
     """Outputs `(out, lse, d_out, d_lse)` of query block `i` for one kv head."""
-    q, qq, k, kk, vv, dim_v = arrays
-    groups = qq.shape[0]
-    bq = cfg.block_q
-    stat = stat_dtype(qq.dtype)
-    q_start = i * bq
-    q_blk = _block.rows(q, q_start, bq, 1)
-    qq_blk = _block.rows(qq, q_start, bq, 1)
+    q_blk, qq_blk = _query_rows(inputs, i)
+    groups, bq, dim_v = q_blk.shape[0], inputs.cfg.block_q, inputs.dim_v
+    stat = stat_dtype(q_blk.dtype)
     floor = jnp.asarray(jnp.finfo(stat).min, stat)
-    # `*_like(qq_blk)`: under shard_map the state must vary across devices as q does.
+    # `*_like(q_blk)`: under shard_map the state must vary across devices as q does.
     init = (
-        jnp.zeros_like(qq_blk, stat, shape=(groups, bq, dim_v)),
-        jnp.zeros_like(qq_blk, stat, shape=(groups, bq, dim_v)),
-        jnp.zeros_like(qq_blk, stat, shape=(groups, bq)),
-        jnp.full_like(qq_blk, floor, stat, shape=(groups, bq)),
-        jnp.zeros_like(qq_blk, stat, shape=(groups, bq)),
+        jnp.zeros_like(q_blk, stat, shape=(groups, bq, dim_v)),
+        jnp.zeros_like(q_blk, stat, shape=(groups, bq, dim_v)),
+        jnp.zeros_like(q_blk, stat, shape=(groups, bq)),
+        jnp.full_like(q_blk, floor, stat, shape=(groups, bq)),
+        jnp.zeros_like(q_blk, stat, shape=(groups, bq)),
     )
-    step = functools.partial(
-        _band_step, _step_update, cfg, seed, head, (q_blk, qq_blk, k, kk, vv, dim_v), q_start,
-        has_data,
-    )
+    step = functools.partial(_band_step, _step_update, inputs, i, (q_blk, qq_blk))
     acc, acc_t, acc_ds, row_max, row_sum = over_band(bands, i, step, init, limits)
     attended = row_sum > 0
     safe = jnp.where(attended, row_sum, 1.0)
@@ -184,21 +288,23 @@ def _query_block(cfg, seed, head, arrays, has_data, bands, limits, _, i):
     d_out = jnp.where(keep, d_out, 0.0)
     d_lse = jnp.where(attended, d_lse, 0.0)
     lse = jnp.where(attended, row_max + jnp.log(safe), -jnp.inf)
-    return None, (out.astype(q.dtype), lse, d_out.astype(q.dtype), d_lse)
+    dtype = inputs.q.dtype
+    return None, (out.astype(dtype), lse, d_out.astype(dtype), d_lse)
 
 
-def _head_kernel(cfg, seed, has_data, bands, head: Head, arrays):
-    q, k, v, dq, dk, dv = arrays  # (g, seq_q, d), (seq_k, d), (seq_k, dv) and tangents
+def _present(has: tuple[bool, ...], arrays) -> list[Array | None]:
+    """`arrays` (the present ones of several) put back in place, None for the absent."""
+    it = iter(arrays)
+    return [next(it) if h else None for h in has]
+
+
+def _head_kernel(cfg, seed, has_data, bands, flex, d_score, has, head: Head, arrays):
+    q, k, v, *tangents = arrays  # (g, seq_q, d), (seq_k, d), (seq_k, dv) and tangents
     groups, seq_q_pad = q.shape[0], q.shape[1]
-    dim_v = v.shape[-1]
-    q = _block.scaled(cfg, q)
-    qq = jnp.concatenate([q, _block.scaled(cfg, dq)], axis=-1)
-    kk = jnp.concatenate([dk, k], axis=-1)  # so that [q, dq] [dk, k]^T = q dk^T + dq k^T
-    vv = jnp.concatenate([v, dv], axis=-1)
+    inputs = _inputs(cfg, seed, has_data, flex, d_score, head, q, k, v,
+                     *_present(has, tangents))
     limits = run_limits(cfg, head.masks, by="q")
-    block = functools.partial(
-        _query_block, cfg, seed, head, (q, qq, k, kk, vv, dim_v), has_data, bands, limits
-    )
+    block = functools.partial(_query_block, inputs, bands, limits)
     num_q = seq_q_pad // cfg.block_q
     _, results = jax.lax.scan(block, None, jnp.arange(num_q, dtype=jnp.int32))
     # (num_q, g, bq, ...) -> (g, num_q * bq, ...)
@@ -210,42 +316,36 @@ def _head_kernel(cfg, seed, has_data, bands, head: Head, arrays):
 # --- the same, given the forward's statistics (what the custom_jvp rule uses) ---------------
 
 
-def _given_stats_update(cfg, seed, head, blocks, q_start, k_start, mask, carry):
+def _given_stats_update(inputs: _Inputs, blocks, q_start, k_start, mask, carry):
     """`_step_update` with the row's lse known: the weights come out normalised, so
     nothing is rescaled and `out` (known too) is not accumulated."""
-    q_blk, qq_blk, k_blk, kk_blk, vv_blk, dim_v = blocks
+    vv_blk, dim_v = blocks[4], inputs.dim_v
     acc_t, acc_ds, lse = carry
     stat = acc_t.dtype
-    s, t = _block.logits(cfg, q_blk, k_blk, None)
-    ds = _block.matmul(qq_blk, kk_blk, "qd,kd->qk", stat)  # q dk^T + dq k^T
-    if not _block.folds_scale(qq_blk.dtype):
-        ds = ds * jnp.asarray(cfg.scale, stat)
-    if t is not None:
-        ds = ds * (1.0 - t * t)
+    s, ds = _logits_and_tangent(inputs, blocks, q_start, k_start)
     if mask is not None:
         s = jnp.where(mask, s, -jnp.inf)
     p = jnp.exp(s - lse[..., None])
-    p_ds = p * ds
-    drop = _block.dropout_multiplier(cfg, seed, head, q_start, k_start, stat)
-    if drop is None:
-        p_v, p_ds_v = p, p_ds
-    else:
-        p_v, p_ds_v = p * drop, p_ds * drop
+    drop = _block.dropout_multiplier(inputs.cfg, inputs.seed, inputs.head, q_start, k_start,
+                                     stat)
     dtype = vv_blk.dtype
-    pdv = _block.matmul(p_v.astype(dtype), vv_blk[:, dim_v:], "qk,kd->qd", stat)
-    sv = _block.matmul(p_ds_v.astype(dtype), vv_blk[:, :dim_v], "qk,kd->qd", stat)
-    return acc_t + pdv + sv, acc_ds + p_ds.sum(axis=-1), lse
+    if vv_blk.shape[-1] > dim_v:  # (P*M) dV
+        p_v = p if drop is None else p * drop
+        acc_t = acc_t + _block.matmul(p_v.astype(dtype), vv_blk[:, dim_v:], "qk,kd->qd", stat)
+    if ds is not None:  # (P*M*dS) V and rowsum(P*dS)
+        p_ds = _weighted(inputs, p, ds)
+        p_ds_v = p_ds if drop is None else p_ds * drop
+        acc_t = acc_t + _block.matmul(p_ds_v.astype(dtype), vv_blk[:, :dim_v], "qk,kd->qd",
+                                      stat)
+        acc_ds = acc_ds + p_ds.sum(axis=-1)
+    return acc_t, acc_ds, lse
 
 
-def _given_stats_query_block(cfg, seed, head, arrays, has_data, bands, limits, _, xs):
+def _given_stats_query_block(inputs: _Inputs, bands, limits, _, xs):
     """`(d_out, d_lse)` of one query block, given its `out` and `lse`."""
-    q, qq, k, kk, vv, dim_v = arrays
     i, out_blk, lse_blk = xs  # (g, bq, dv), (g, bq)
-    bq = cfg.block_q
-    stat = stat_dtype(qq.dtype)
-    q_start = i * bq
-    q_blk = _block.rows(q, q_start, bq, 1)
-    qq_blk = _block.rows(qq, q_start, bq, 1)
+    q_blk, qq_blk = _query_rows(inputs, i)
+    stat = stat_dtype(q_blk.dtype)
     attended = lse_blk > -jnp.inf
     # Rows with no key: any finite lse gives p = 0 (all their logits are -inf).
     lse_blk = jnp.where(attended, lse_blk, 0.0).astype(stat)
@@ -254,35 +354,28 @@ def _given_stats_query_block(cfg, seed, head, arrays, has_data, bands, limits, _
         jnp.zeros_like(lse_blk, stat),
         lse_blk,
     )
-    step = functools.partial(
-        _band_step, _given_stats_update, cfg, seed, head, (q_blk, qq_blk, k, kk, vv, dim_v),
-        q_start, has_data,
-    )
+    step = functools.partial(_band_step, _given_stats_update, inputs, i, (q_blk, qq_blk))
     acc_t, d_lse, _ = over_band(bands, i, step, init, limits)
     d_out = acc_t - d_lse[..., None] * out_blk.astype(stat)
     d_out = jnp.where(attended[..., None], d_out, 0.0)
     d_lse = jnp.where(attended, d_lse, 0.0)
-    return None, (d_out.astype(q.dtype), d_lse)
+    return None, (d_out.astype(inputs.q.dtype), d_lse)
 
 
-def _given_stats_head_kernel(cfg, seed, has_data, bands, head: Head, arrays):
-    q, k, v, out, lse, dq, dk, dv = arrays
+def _given_stats_head_kernel(cfg, seed, has_data, bands, flex, d_score, has, head: Head,
+                             arrays):
+    q, k, v, out, lse, *tangents = arrays
     groups, seq_q_pad = q.shape[0], q.shape[1]
     dim_v = v.shape[-1]
     bq = cfg.block_q
     num_q = seq_q_pad // bq
-    q = _block.scaled(cfg, q)
-    qq = jnp.concatenate([q, _block.scaled(cfg, dq)], axis=-1)
-    kk = jnp.concatenate([dk, k], axis=-1)
-    vv = jnp.concatenate([v, dv], axis=-1)
+    inputs = _inputs(cfg, seed, has_data, flex, d_score, head, q, k, v,
+                     *_present(has, tangents))
     limits = run_limits(cfg, head.masks, by="q")
     # (g, seq_q, ...) -> (num_q, g, bq, ...): one slice per query block.
     out_blocks = jnp.moveaxis(out.reshape(groups, num_q, bq, dim_v), 1, 0)
     lse_blocks = jnp.moveaxis(lse.reshape(groups, num_q, bq), 1, 0)
-    block = functools.partial(
-        _given_stats_query_block, cfg, seed, head, (q, qq, k, kk, vv, dim_v), has_data, bands,
-        limits,
-    )
+    block = functools.partial(_given_stats_query_block, inputs, bands, limits)
     xs = (jnp.arange(num_q, dtype=jnp.int32), out_blocks, lse_blocks)
     _, results = jax.lax.scan(block, None, xs)
     return tuple(
@@ -299,16 +392,25 @@ def tangent_given_stats(
     lse: Array,
     masks: Masks,
     seed: Array | None,
-    dq: Array,
-    dk: Array,
-    dv: Array,
+    dq: Array | None,
+    dk: Array | None,
+    dv: Array | None,
+    mods: ScoreMods = NO_MODS,
+    d_mods: ScoreMods = NO_MODS,
+    flex: FlexArrays = NO_FLEX,
+    d_score: Any = None,
 ) -> tuple[Array, Array]:
     """`(d_out, d_lse)` as `tangent` gives them, from the forward's `out` and `lse`: one
-    product fewer per block and no rescaling (the custom_jvp rule has both anyway)."""
+    product fewer per block and no rescaling (the custom_jvp rule has both anyway).
+    Tangents that are zero may be None (`d_mods`, `d_score`: None leaves), which skips
+    the work they would cost. `flex` holds the score_mod's floating arrays in `score`."""
     bands = band_ranges(cfg.seq_q, cfg.seq_k, cfg.block_q, cfg.block_k, cfg.band_window,
                         cfg.offset, by="q")
-    kernel = functools.partial(_given_stats_head_kernel, cfg, seed, not masks.is_empty, bands)
-    return per_head(kernel, (masks, ScoreMods()), (q, k, v, out, lse, dq, dk, dv))
+    has = tuple(t is not None for t in (dq, dk, dv))
+    kernel = functools.partial(_given_stats_head_kernel, cfg, seed, not masks.is_empty, bands,
+                               flex, d_score, has)
+    tangents = tuple(t for t in (dq, dk, dv) if t is not None)
+    return per_head(kernel, (masks, mods, d_mods), (q, k, v, out, lse, *tangents))
 
 
 def tangent(
@@ -321,13 +423,17 @@ def tangent(
     dq: Array,
     dk: Array,
     dv: Array,
+    mods: ScoreMods = NO_MODS,
+    d_mods: ScoreMods = NO_MODS,
 ) -> tuple[Array, Array, Array, Array]:
     """`(out, lse, d_out, d_lse)`: the forward's outputs and their tangents for input
-    tangents `(dq, dk, dv)`, all in the internal layout and padded like `forward`'s."""
+    tangents `(dq, dk, dv)` (and `d_mods` of the score terms `mods`), all in the internal
+    layout and padded like `forward`'s."""
     bands = band_ranges(cfg.seq_q, cfg.seq_k, cfg.block_q, cfg.block_k, cfg.band_window,
                         cfg.offset, by="q")
-    kernel = functools.partial(_head_kernel, cfg, seed, not masks.is_empty, bands)
-    return per_head(kernel, (masks, ScoreMods()), (q, k, v, dq, dk, dv))
+    kernel = functools.partial(_head_kernel, cfg, seed, not masks.is_empty, bands, NO_FLEX,
+                               None, (True, True, True))
+    return per_head(kernel, (masks, mods, d_mods), (q, k, v, dq, dk, dv))
 
 
 # --- the poison for second-order terms ------------------------------------------------------
@@ -396,31 +502,51 @@ def _second_order_guard_jvp(dtype, primals, tangents):
 #
 # What `jax.custom_derivatives.linear_call` does, plus a batching rule (linear_call has
 # none, so `jax.jacfwd`, `jax.hessian` and `vmap` of a gradient would fail) and zero
-# handling in its JVP. Operands: the residuals `(q, k, v, out, lse, masks, seed, z)`
-# flattened (`z`: the second-order guard), then the linear inputs. `transposed=False`
-# maps the non-zero tangents among `(dq, dk, dv)` (marked by `which`) to
-# `(d_out, d_lse)` with the tangent kernel; `transposed=True` maps cotangents `(d_out, d_lse)` to
-# those of the marked inputs with the
-# backward kernel. Each is the other's transpose.
+# handling in its JVP. Operands: the residuals `(q, k, v, out, lse, mods, score, masks, flex,
+# seed, z)` flattened (`z`: the second-order guard), then the linear inputs. The
+# differentiable inputs are `(q, k, v, mods, score)` (`_diff`): the score terms and the
+# score_mod's floating arrays are pytrees, and `which` marks the leaves with a non-zero
+# tangent. `transposed=False` maps those tangents to `(d_out, d_lse)` with the tangent
+# kernel; `transposed=True` maps cotangents `(d_out, d_lse)` to those of the marked leaves
+# with the backward kernel. Each is the other's transpose.
 
 
-def _fill(which: tuple[bool, ...], nonzero, like) -> list[Array]:
-    """The full `(dq, dk, dv)` from the non-zero ones (`which` marks them)."""
-    it = iter(nonzero)
-    return [next(it) if w else jnp.zeros_like(x) for w, x in zip(which, like, strict=True)]
+def _diff(residuals) -> tuple[Any, ...]:
+    """The differentiable inputs `(q, k, v, mods, score)` among the residuals."""
+    q, k, v, _, _, mods, score = residuals[:7]
+    return q, k, v, mods, score
 
 
 def _linear_fn(*args, cfg: KernelConfig, which, res_tree, transposed: bool):
     residuals = jax.tree.unflatten(res_tree, args[: res_tree.num_leaves])
     linear = args[res_tree.num_leaves :]
-    q, k, v, out, lse, masks, seed, _ = residuals  # the last is the guard `z`
+    q, k, v, out, lse, mods, score, masks, flex, seed, _ = residuals  # last: the guard `z`
+    flex = flex._replace(score=score)
+    diff_tree = jax.tree.structure(_diff(residuals))
     if transposed:
         d_out, d_lse = linear
         safe_lse, delta = prepare(out, lse, d_out, d_lse)
-        grads = backward(cfg, q, k, v, ScoreMods(), safe_lse, delta, d_out, masks, seed)[:3]
-        return [g for g, w in zip(grads, which, strict=True) if w]
-    dq, dk, dv = _fill(which, linear, (q, k, v))
-    return list(tangent_given_stats(cfg, q, k, v, out, lse, masks, seed, dq, dk, dv))
+        # Score terms without a tangent (a constant bias or slopes) get no cotangent
+        # accumulation in the kernel.
+        wanted = jax.tree.unflatten(diff_tree, which)[3]
+        mods_wanted = (bool(wanted.bias), bool(wanted.slopes))
+        grads = backward(cfg, q, k, v, mods, safe_lse, delta, d_out, masks, seed, flex,
+                         mods_wanted)
+        return [g for g, w in zip(jax.tree.leaves(grads), which, strict=True) if w]
+    # Zero tangents stay None: the kernel skips what they would cost. (The score_mod's
+    # arrays are differentiated together, with zeros filled in, or not at all.)
+    tangents = _present(which, linear)
+    dq, dk, dv, d_mods, _ = jax.tree.unflatten(diff_tree, tangents)
+    score_leaves, score_tree = jax.tree.flatten(score)
+    d_score_leaves = tangents[len(tangents) - len(score_leaves):]
+    d_score = None
+    if any(t is not None for t in d_score_leaves):
+        d_score = jax.tree.unflatten(score_tree, [
+            jnp.zeros_like(x) if t is None else t
+            for t, x in zip(d_score_leaves, score_leaves, strict=True)
+        ])
+    return list(tangent_given_stats(cfg, q, k, v, out, lse, masks, seed, dq, dk, dv, mods,
+                                    d_mods, flex, d_score))
 
 
 _linear_p = Primitive("eqx_flash_attention_linear")
@@ -431,12 +557,12 @@ mlir.register_lowering(_linear_p, mlir.lower_fun(_linear_fn, multiple_results=Tr
 
 def _linear_abstract_eval(*args, cfg, which, res_tree, transposed):
     del cfg
-    q, k, v, out, lse = args[:5]  # the residuals lead with these
+    residuals = jax.tree.unflatten(res_tree, args[: res_tree.num_leaves])
     # The residuals' own avals: same shapes and dtypes, and under shard_map the same
     # varying axes.
     if transposed:
-        return [x for x, w in zip((q, k, v), which, strict=True) if w]
-    return [out, lse]
+        return [x for x, w in zip(jax.tree.leaves(_diff(residuals)), which, strict=True) if w]
+    return list(residuals[3:5])  # out, lse
 
 
 _linear_p.def_abstract_eval(_linear_abstract_eval)
@@ -534,30 +660,36 @@ def _clean_tangents(tangents, primals, masks) -> tuple[Any, ...]:
 
 
 def with_forward_mode(attention: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap `attention(cfg, q, k, v, masks, seed) -> (out, lse)`, a `custom_vjp` function
-    on padded internal-layout arrays, so that forward mode works too (module docstring)."""
+    """Wrap `attention(cfg, q, k, v, mods, score, masks, flex, seed) -> (out, lse)`
+    (`_flash._attention`: a `custom_vjp` function on padded internal-layout arrays whose
+    differentiable inputs are q, k, v, the score terms `mods` and the score_mod's floating
+    arrays `score`) so that forward mode works too (module docstring)."""
 
     @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-    def wrapped(cfg, q, k, v, masks, seed):
-        return attention(cfg, q, k, v, masks, seed)
+    def wrapped(cfg, q, k, v, mods, score, masks, flex, seed):
+        return attention(cfg, q, k, v, mods, score, masks, flex, seed)
 
     @functools.partial(wrapped.defjvp, symbolic_zeros=True)
     def wrapped_jvp(cfg, primals, tangents):
-        q, k, v, masks, seed = primals
-        if reads_raw_cache(cfg, has_score_terms=False):
+        q, k, v, mods, score, masks, flex, seed = primals
+        if reads_raw_cache(cfg, not mods.is_empty):
             # The decoding kernel left the keys and values uncleaned (`_flash._blockwise`);
             # the derivative kernels need them clean, and their tangents alike.
             q, k, v = valid_rows(q, k, v, masks, q.shape[3], k.shape[2])  # padded sizes
             tangents = (*_clean_tangents(tangents[:3], (q, k, v), masks), *tangents[3:])
-        out, lse = wrapped(cfg, q, k, v, masks, seed)
-        which = tuple(type(t) is not SymbolicZero for t in tangents[:3])
-        nonzero = tuple(t for t, w in zip(tangents[:3], which, strict=True) if w)
+        out, lse = wrapped(cfg, q, k, v, mods, score, masks, flex, seed)
+        leaves = jax.tree.leaves(tangents[:5], is_leaf=lambda t: type(t) is SymbolicZero)
+        which = tuple(type(t) is not SymbolicZero for t in leaves)
+        nonzero = tuple(t for t, w in zip(leaves, which, strict=True) if w)
         if not nonzero:  # only masks or seed were perturbed: they get no derivative
             return (out, lse), (jnp.zeros_like(out), jnp.zeros_like(lse))
-        residuals = jax.tree.map(jax.lax.stop_gradient, (q, k, v, out, lse, masks, seed))
-        # Exactly zero; its derivative with respect to q, k, v, out, lse raises. As the
-        # last residual it is the one that keeps its derivative (`_linear_jvp`).
-        z = _second_order_guard(lse.dtype, q, k, v, out, lse)
+        residuals = jax.tree.map(jax.lax.stop_gradient,
+                                 (q, k, v, out, lse, mods, score, masks, flex, seed))
+        # Exactly zero; its derivative with respect to the differentiable inputs, out and
+        # lse raises. As the last residual it is the one that keeps its derivative
+        # (`_linear_jvp`).
+        z = _second_order_guard(lse.dtype, *jax.tree.leaves((q, k, v, mods, score)), out,
+                                lse)
         d_out, d_lse = _linear(cfg, which, (*residuals, z), nonzero)
         return (out, lse), (d_out, d_lse)
 

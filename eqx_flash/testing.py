@@ -505,13 +505,16 @@ _evaluate_jit = jax.jit(_evaluate, static_argnums=(0, 1, 7))
 
 
 def _evaluate_jvp(fn, static, q, k, v, arrays, tangents):
-    """Tangents of `out` and `lse` (or None) along `tangents = (dq, dk, dv)`."""
-    kwargs = _join(static, arrays)
+    """Tangents of `out` and `lse` (or None) along `tangents = (dq, dk, dv, d_free)`,
+    `d_free` the tangents of the floating array arguments (`DIFFERENTIABLE`) by name."""
+    *d_qkv, d_free = tangents
+    fixed = {n: x for n, x in arrays.items() if n not in d_free}
 
-    def call(q, k, v):
-        return split_outputs(fn(q, k, v, **kwargs))
+    def call(q, k, v, free):
+        return split_outputs(fn(q, k, v, **_join(static, {**fixed, **free})))
 
-    _, (d_out, d_lse) = jax.jvp(call, (q, k, v), tangents)
+    free = {n: arrays[n] for n in d_free}
+    _, (d_out, d_lse) = jax.jvp(call, (q, k, v, free), (*d_qkv, d_free))
     return d_out, d_lse
 
 
@@ -536,8 +539,9 @@ def _run_jvp(fn, kwargs: Mapping[str, Any], q, k, v, tangents, jit: bool):
     return _evaluate_jvp_jit(fn, static, q, k, v, arrays, tangents)
 
 
-def _tangents(inputs: "AttentionInputs", seed: int) -> tuple[Array, Array, Array]:
-    """Random input tangents, scaled like the inputs (so the logits move by O(1))."""
+def _tangents(inputs: "AttentionInputs", seed: int) -> tuple[Any, ...]:
+    """Random tangents of q, k, v and (by name) of the floating array arguments
+    (`DIFFERENTIABLE`), scaled like them (so the logits move by O(1))."""
     rng = np.random.default_rng(seed + 1)
 
     def like(x):
@@ -545,7 +549,10 @@ def _tangents(inputs: "AttentionInputs", seed: int) -> tuple[Array, Array, Array
         t = rng.standard_normal(x.shape, np.float32) * max(float(np.std(x32)), 1e-3)
         return jnp.asarray(t.astype(jnp.dtype(x.dtype)))
 
-    return like(inputs.q), like(inputs.k), like(inputs.v)
+    d_qkv = like(inputs.q), like(inputs.k), like(inputs.v)
+    arrays, _ = _split_kwargs(inputs.kwargs)
+    free = {n: jax.tree.map(like, x) for n, x in arrays.items() if n in DIFFERENTIABLE}
+    return (*d_qkv, free)
 
 
 def _run(fn, kwargs: Mapping[str, Any], q, k, v, weights, grads: bool, jit: bool):
@@ -634,7 +641,8 @@ def check_attention(
     where the reference's is; and, with `grads`, the gradients with respect to `q`, `k`, `v`
     of a fixed random linear function of `out` and of the finite entries of `lse`; and, with
     `jvp`, the forward-mode tangents (`jax.jvp`) of `out` and `lse` along fixed random
-    tangents of `q`, `k`, `v` (judged like gradients, and never NaN).
+    tangents of `q`, `k`, `v` and of the floating array arguments (a bias, ALiBi slopes,
+    a score_mod's arrays) (judged like gradients, and never NaN).
 
     **Arguments:**
 

@@ -87,3 +87,16 @@ def test_forward_mode_is_linear_in_memory():
     scalar = jax.ShapeDtypeStruct((), jnp.float32)
     step_bytes = _compiled_temp(jax.grad(loss), params, seq, seq, scalar)
     assert step_bytes < SCORES / 8, f"sCM step: {step_bytes / 2**20:.0f} MiB of temporaries"
+
+
+def test_forward_mode_with_alibi_is_linear_in_memory():
+    """Tangents along the ALiBi slopes too (computed per block, like the term itself)."""
+    x = jax.ShapeDtypeStruct((1, 2, SEQ, DIM), jnp.float32)
+    slopes = jax.ShapeDtypeStruct((2,), jnp.float32)
+
+    def jvp(q, k, v, s, dq, ds):
+        return jax.jvp(lambda q, s: flash_attention(q, k, v, alibi_slopes=s, causal=True),
+                       (q, s), (dq, ds))
+
+    jvp_bytes = _compiled_temp(jvp, x, x, x, slopes, x, slopes)
+    assert jvp_bytes < SCORES / 8, f"jvp: {jvp_bytes / 2**20:.0f} MiB of temporaries"
