@@ -19,6 +19,12 @@ class ScoreMods(NamedTuple):
 
     bias: Array | None = None  # (batch|1, kv_heads|1, groups|1, seq_q|1, seq_k|1)
     slopes: Array | None = None  # ALiBi slopes, (batch|1, kv_heads|1, groups|1, 1, 1)
+    # Where the rows and columns sit in a longer sequence, for ALiBi (ring attention: a
+    # shard's global positions), int32 `(1, 1, 1, seq_q, 1)` and `(1, 1, 1, 1, seq_k)`; the
+    # query positions already aligned (`+ seq_k - seq_q` of that sequence). Not
+    # differentiable. None: the block's own indices, aligned by the kernel's offset.
+    q_positions: Array | None = None
+    k_positions: Array | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -31,6 +37,18 @@ def alibi_distance(q_pos: Array, k_pos: Array, offset: int) -> Array:
     return jnp.abs(q_pos + offset - k_pos)
 
 
+def _distance(
+    mods: ScoreMods, q_start: Array | int, k_start: Array | int, q_pos: Array, k_pos: Array,
+    offset: int, block_q: int, block_k: int,
+) -> Array:
+    """ALiBi's distance over one block, from `mods`' positions where it has them."""
+    if mods.q_positions is None or mods.k_positions is None:
+        return alibi_distance(q_pos, k_pos, offset)
+    q_pos = block_of(mods.q_positions, q_start, k_start, block_q, block_k)
+    k_pos = block_of(mods.k_positions, q_start, k_start, block_q, block_k)
+    return alibi_distance(q_pos, k_pos, 0)
+
+
 def additive(
     mods: ScoreMods, q_start: Array | int, k_start: Array | int, q_pos: Array,
     k_pos: Array, offset: int, block_q: int, block_k: int, dtype: jnp.dtype,
@@ -40,7 +58,8 @@ def additive(
     if mods.bias is not None:
         total = block_of(mods.bias, q_start, k_start, block_q, block_k).astype(dtype)
     if mods.slopes is not None:
-        dist = alibi_distance(q_pos, k_pos, offset).astype(dtype)
+        dist = _distance(mods, q_start, k_start, q_pos, k_pos, offset, block_q,
+                         block_k).astype(dtype)
         term = -mods.slopes.astype(dtype) * dist
         total = term if total is None else total + term
     return total
@@ -52,7 +71,7 @@ def accumulate(
 ) -> ScoreMods:
     """Add one block's cotangent of the pre-cap logits, `d_scores` `(g, bq, bk)`, into
     the running cotangents `grads` (shaped as one head's `mods`, in float32/64)."""
-    d_bias, d_slopes = grads
+    d_bias, d_slopes = grads.bias, grads.slopes
     if mods.bias is not None and d_bias is not None:
         axes = tuple(a for a in range(3) if mods.bias.shape[a] == 1 and d_scores.shape[a] != 1)
         part = d_scores.sum(axis=axes, keepdims=True).astype(d_bias.dtype)
@@ -60,9 +79,10 @@ def accumulate(
         old = jax.lax.dynamic_slice(d_bias, starts, part.shape)
         d_bias = jax.lax.dynamic_update_slice(d_bias, old + part, starts)
     if mods.slopes is not None and d_slopes is not None:
-        dist = alibi_distance(q_pos, k_pos, offset).astype(d_scores.dtype)
-        part = -(d_scores * dist).sum(axis=(1, 2), keepdims=True)
+        block_q, block_k = d_scores.shape[1:]
+        dist = _distance(mods, q_start, k_start, q_pos, k_pos, offset, block_q, block_k)
+        part = -(d_scores * dist.astype(d_scores.dtype)).sum(axis=(1, 2), keepdims=True)
         if d_slopes.shape[0] == 1:
             part = part.sum(axis=0, keepdims=True)
         d_slopes = d_slopes + part.astype(d_slopes.dtype)
-    return ScoreMods(d_bias, d_slopes)
+    return grads._replace(bias=d_bias, slopes=d_slopes)
