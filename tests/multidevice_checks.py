@@ -217,6 +217,83 @@ def check_flash_sharded_inputs():
     return result
 
 
+def _score_terms_errors(ring_fn, seq_q: int, seq_k: int, bias_shape, slopes_shape,
+                        causal: bool) -> dict:
+    """Relative max errors of out, lse and the cotangents of q, k, v, bias and ALiBi
+    slopes: `ring_fn(q, k, v, bias, slopes)` against `plain_attention` on one device."""
+    keys = jax.random.split(jax.random.key(1), 7)
+    q, k, v = qkv(keys[0], (B, H, seq_q, D), (B, KH, seq_k, D))
+    bias = jax.random.normal(keys[3], bias_shape)
+    slopes = jax.random.uniform(keys[4], slopes_shape, minval=0.05, maxval=0.5)
+    cot = (jax.random.normal(keys[5], (B, H, seq_q, D)), jax.random.normal(keys[6], (B, H, seq_q)))
+
+    def reference(q, k, v, bias, slopes):
+        return eqx_flash.plain_attention(q, k, v, causal=causal, bias=bias, alibi_slopes=slopes)
+
+    def value_and_vjp(fn):
+        out, pull = jax.vjp(fn, q, k, v, bias, slopes)
+        return (*out, *pull(cot))
+
+    expected = jax.jit(lambda: value_and_vjp(reference))()
+    got = jax.jit(lambda: value_and_vjp(ring_fn))()
+    names = ("out", "lse", "dq", "dk", "dv", "dbias", "dslopes")
+    result = {}
+    for name, a, b in zip(names, expected, got, strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        scale = max(1.0, float(np.max(np.abs(a))))
+        result[name] = float(np.max(np.abs(a - b))) / scale if np.all(np.isfinite(b)) else 1.0
+    return result
+
+
+def check_ring_score_terms():
+    """Bias and ALiBi on the ring, against `plain_attention`: `sharded_flash_attention`
+    causal on zigzag (the default; bias reordered on both axes) with batch over `data`,
+    and `ring_flash_attention` by hand, striped, non-causal with seq_q != seq_k (query
+    positions aligned bottom-right on the global sequence), on 4 devices."""
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "seq"))
+
+    def sharded(q, k, v, bias, slopes):
+        return eqx_flash.sharded_flash_attention(
+            q, k, v, mesh=mesh, seq_axis="seq", batch_axis="data", causal=True, bias=bias,
+            alibi_slopes=slopes, block_q=8, block_k=8,
+        )
+
+    n, layout = 4, "striped"
+    seq_mesh = _seq_mesh(n)
+
+    def arrange(x, axis):
+        return eqx_flash.to_ring_layout(x, num_devices=n, layout=layout, axis=axis)
+
+    def local(q, k, v, bias, slopes):
+        return eqx_flash.ring_flash_attention(
+            q, k, v, axis_name="seq", layout=layout, bias=bias, alibi_slopes=slopes,
+            block_q=8, block_k=8,
+        )
+
+    seq = P(None, None, "seq")
+    mapped = jax.shard_map(
+        local, mesh=seq_mesh, in_specs=(seq, seq, seq, P(None, "seq", None), P()),
+        out_specs=(seq, seq), check_vma=False,
+    )
+
+    def by_hand(q, k, v, bias, slopes):
+        # The bias's rows are sharded with the queries; each device has all its columns,
+        # in ring order too.
+        bias = arrange(arrange(bias, -2), -1)
+        out, lse = mapped(*(arrange(x, -2) for x in (q, k, v)), bias, slopes)
+        return (
+            eqx_flash.from_ring_layout(out, num_devices=n, layout=layout, axis=-2),
+            eqx_flash.from_ring_layout(lse, num_devices=n, layout=layout, axis=-1),
+        )
+
+    return {
+        "sharded_zigzag_causal": _score_terms_errors(sharded, 64, 64, (B, 1, 64, 64), (H,),
+                                                     causal=True),
+        "ring_striped_cross": _score_terms_errors(by_hand, 32, 64, (H, 32, 64), (B, H),
+                                                  causal=False),
+    }
+
+
 CHECKS = {name[len("check_"):]: fn for name, fn in globals().items() if name.startswith("check_")}
 
 

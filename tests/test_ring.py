@@ -20,7 +20,7 @@ import pytest
 from helpers import qkv
 from hypothesis import given
 from hypothesis import strategies as st
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec
 
 import eqx_flash
 
@@ -198,3 +198,73 @@ def test_lengths_on_the_ring_errors():
                                           kv_lengths=jnp.array([32, 20]))
     with pytest.raises(NotImplementedError, match="kv_lengths.*sharded_flash_attention"):
         eqx_flash.ring_flash_attention(q, k, v, axis_name="seq", kv_lengths=jnp.array([3, 4]))
+
+
+def test_score_terms_on_the_ring():
+    """Bias and ALiBi on 4 devices equal `plain_attention`'s: out, lse and the cotangents
+    of q, k, v, the bias and the slopes (relative to the largest entry), on zigzag
+    (`sharded_flash_attention`, causal) and striped (`ring_flash_attention`, seq_q !=
+    seq_k) orders, whose global positions are permuted."""
+    result = multidevice("ring_score_terms")
+    for config, errors in result.items():
+        for name, error in errors.items():
+            assert error < TOL, (config, name, errors)
+
+
+def test_score_terms_one_device_check_vma(getkey):
+    """`ring_flash_attention` in a one-device `shard_map(check_vma=True)` with a bias whose
+    rows broadcast and per-head slopes, both replicated inputs (cast to vary with q;
+    their cotangents come back through that cast), causal with seq_q != seq_k."""
+    mesh = Mesh(np.array(jax.devices()[:1]), ("seq",))
+    q, k, v = qkv(getkey(), (2, 4, 16, 8), (2, 2, 24, 8))
+    bias = jax.random.normal(getkey(), (4, 1, 24))
+    slopes = jnp.array([0.5, 0.25, 0.125, 0.0625])
+    seq = PartitionSpec(None, None, "seq")
+    ring = jax.shard_map(
+        lambda q, k, v, bias, slopes: eqx_flash.ring_flash_attention(
+            q, k, v, axis_name="seq", causal=True, bias=bias, alibi_slopes=slopes,
+            block_q=8, block_k=8),
+        mesh=mesh, in_specs=(seq, seq, seq, PartitionSpec(), PartitionSpec()),
+        out_specs=(seq, seq), check_vma=True,
+    )
+
+    def loss(fn):
+        def f(*args):
+            out, lse = fn(*args)
+            return jnp.sum(out * out) + jnp.sum(lse * jnp.arange(16.0)[None, None, :])
+
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3, 4)))(q, k, v, bias, slopes)
+
+    expected = loss(lambda q, k, v, b, s: eqx_flash.plain_attention(
+        q, k, v, causal=True, bias=b, alibi_slopes=s))
+    got = loss(ring)
+    for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(got), strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-4, rtol=1e-4)
+
+
+def test_score_terms_on_the_ring_errors():
+    """What the ring cannot run is refused by name, with what to use instead; a bias of
+    the wrong shape names `bias`."""
+    mesh = Mesh(np.array(jax.devices()[:1]), ("seq",))
+    q, k, v = qkv(jax.random.key(0), (1, 2, 8, 4), (1, 2, 8, 4))
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    block_mask = eqx_flash.make_block_mask(mask_mod, (1,), 2, 8, 8, 8, 8)
+    for entry in (
+        functools.partial(eqx_flash.ring_flash_attention, axis_name="seq"),
+        functools.partial(eqx_flash.sharded_flash_attention, mesh=mesh, seq_axis="seq"),
+    ):
+        with pytest.raises(NotImplementedError, match="score_mod.*alibi_slopes= for ALiBi"):
+            entry(q, k, v, score_mod=score_mod)
+        with pytest.raises(NotImplementedError, match="mask_mod.*causal=, window="):
+            entry(q, k, v, mask_mod=mask_mod)
+        with pytest.raises(NotImplementedError, match="block_mask"):
+            entry(q, k, v, mask_mod=None, block_mask=block_mask)
+    with pytest.raises((ValueError, TypeError), match="bias"):
+        eqx_flash.sharded_flash_attention(q, k, v, mesh=mesh, seq_axis="seq",
+                                          bias=jnp.zeros((3, 8, 8)))
