@@ -89,8 +89,8 @@ def _attention_bwd(cfg, residuals, cotangents, wanted=None):
     # accumulation in the kernel; `reverse_only` drops their (zero) cotangents anyway.
     mods_wanted = (True, True)
     if wanted is not None:
-        mods = wanted[3]  # a ScoreMods of bools (None: the term is absent)
-        mods_wanted = (bool(mods.bias), bool(mods.slopes))
+        terms = wanted[3]  # a ScoreMods of bools (None: the term is absent)
+        mods_wanted = (bool(terms.bias), bool(terms.slopes))
     d_q, d_k, d_v, d_mods, d_score = backward(
         cfg, q, k, v, mods, lse, delta, cotangents[0], masks, seed, flex._replace(score=score),
         mods_wanted,
