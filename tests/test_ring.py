@@ -223,7 +223,7 @@ def test_score_terms_one_device_check_vma(getkey):
     ring = jax.shard_map(
         lambda q, k, v, bias, slopes: eqx_flash.ring_flash_attention(
             q, k, v, axis_name="seq", causal=True, bias=bias, alibi_slopes=slopes,
-            block_q=8, block_k=8),
+            block_q=16, block_k=16),  # the keys (and bias columns) padded to 32
         mesh=mesh, in_specs=(seq, seq, seq, PartitionSpec(), PartitionSpec()),
         out_specs=(seq, seq), check_vma=True,
     )
