@@ -10,6 +10,9 @@ devices meet at a ring step, a run-time value, while the kernels take the alignm
 statically (`KernelConfig.diagonal_offset`). So every (device, step) pair is classified
 at trace time into skip / fully visible / one of a few masked variants, and `lax.switch`
 picks the variant at run time.
+
+A bias stays with its query rows and ALiBi reads the pair's global positions
+(`_ring_mods`); `score_mod`/`mask_mod` are refused (`check_flex_on_ring`).
 """
 
 import dataclasses
