@@ -263,7 +263,7 @@ def _update(
         d_scores = ds.reshape(cfg.block_k, inputs.groups, cfg.block_q).transpose(1, 2, 0)
         q_pos, k_pos = positions(cfg, q_start, block.start)
         d_mods = accumulate(d_mods, head.mods, d_scores, q_start, block.start, q_pos, k_pos,
-                            cfg.offset)
+                            cfg.score_offset)
     ds = ds.astype(inputs.dtype)
     # dk against the scaled queries is exact; dq is scaled once at the end.
     dk_b = dk_b + jnp.matmul(ds, query.q_rows[i], preferred_element_type=stat)

@@ -7,14 +7,15 @@ key chunk visiting it: nothing travels, and each device holds its share of the b
 `seq_q * seq_k / devices` entries (rotating columns with the keys would need the same
 memory and a transfer per step). The bias cotangent accumulates in the same place.
 
-ALiBi penalises the distance between global positions, which depends on the pair of
-devices meeting at a ring step, a run-time value, while the kernels' diagonal offset is
-static (and reset for unmasked pairs). So the pair's global positions reach the kernels
-as arrays (`ScoreMods.q_positions`/`k_positions`), which also covers the striped layout,
-where they are not a shifted range.
+ALiBi penalises the distance between global positions, and `score_mod`/`mask_mod` take
+global indices; those depend on the pair of devices meeting at a ring step, a run-time
+value, while the kernels' diagonal offset is static (and reset for unmasked pairs). So
+the pair's global positions reach the kernels as arrays (`ScoreMods.q_positions`/
+`k_positions`), which also covers the striped layout, where they are not a shifted
+range.
 """
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +32,7 @@ class RingMods(NamedTuple):
     # columns cut into the ring's key chunks, each padded (`bias_columns`).
     bias: tuple[Array | None, ...]
     slopes: Array | None  # (batch|1, kv_heads|1, groups|1, 1, 1)
+    score: Any = None  # the score_mod's floating arrays (`_mods.FlexArrays.score`)
 
 
 def bias_columns(bias: Array | None, chunks: int, padded: int) -> Array | None:
@@ -75,7 +77,7 @@ def pair_mods(
     k_pos: Array | None,
 ) -> ScoreMods:
     """The `ScoreMods` of query piece `qp` against the key piece of global ring chunk
-    `chunk`, at global positions `q_pos` (aligned) and `k_pos` (None without ALiBi)."""
+    `chunk`, at global positions `q_pos` and `k_pos` (None: not needed)."""
     bias = mods.bias[qp]
     return ScoreMods(
         bias=None if bias is None else column_block(bias, chunk, padded_k),

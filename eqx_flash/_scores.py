@@ -19,10 +19,10 @@ class ScoreMods(NamedTuple):
 
     bias: Array | None = None  # (batch|1, kv_heads|1, groups|1, seq_q|1, seq_k|1)
     slopes: Array | None = None  # ALiBi slopes, (batch|1, kv_heads|1, groups|1, 1, 1)
-    # Where the rows and columns sit in a longer sequence, for ALiBi (ring attention: a
-    # shard's global positions), int32 `(1, 1, 1, seq_q, 1)` and `(1, 1, 1, 1, seq_k)`; the
-    # query positions already aligned (`+ seq_k - seq_q` of that sequence). Not
-    # differentiable. None: the block's own indices, aligned by the kernel's offset.
+    # Where the rows and columns sit in a longer sequence (ring attention: a shard's global
+    # positions), int32 `(1, 1, 1, seq_q, 1)` and `(1, 1, 1, 1, seq_k)`, for ALiBi (aligned
+    # by `KernelConfig.alibi_offset`) and the `score_mod`/`mask_mod` indices. Not
+    # differentiable. None: the block's own indices.
     q_positions: Array | None = None
     k_positions: Array | None = None
 
@@ -37,6 +37,15 @@ def alibi_distance(q_pos: Array, k_pos: Array, offset: int) -> Array:
     return jnp.abs(q_pos + offset - k_pos)
 
 
+def global_positions(
+    mods: ScoreMods, q_start: Array | int, k_start: Array | int, block_q: int, block_k: int
+) -> tuple[Array, Array]:
+    """One block's slices of `mods`' positions, `(1, block_q, 1)` and `(1, 1, block_k)`."""
+    assert mods.q_positions is not None and mods.k_positions is not None
+    return (block_of(mods.q_positions, q_start, k_start, block_q, block_k),
+            block_of(mods.k_positions, q_start, k_start, block_q, block_k))
+
+
 def _distance(
     mods: ScoreMods, q_start: Array | int, k_start: Array | int, q_pos: Array, k_pos: Array,
     offset: int, block_q: int, block_k: int,
@@ -44,9 +53,8 @@ def _distance(
     """ALiBi's distance over one block, from `mods`' positions where it has them."""
     if mods.q_positions is None or mods.k_positions is None:
         return alibi_distance(q_pos, k_pos, offset)
-    q_pos = block_of(mods.q_positions, q_start, k_start, block_q, block_k)
-    k_pos = block_of(mods.k_positions, q_start, k_start, block_q, block_k)
-    return alibi_distance(q_pos, k_pos, 0)
+    q_pos, k_pos = global_positions(mods, q_start, k_start, block_q, block_k)
+    return alibi_distance(q_pos, k_pos, offset)
 
 
 def additive(

@@ -20,7 +20,7 @@ from jaxtyping import Array, jaxtyped
 from ._block_mask import BlockMask
 from ._masking import Masks
 from ._options import AttentionOptions, make_options
-from ._ring import check_flex_on_ring, ring_attention
+from ._ring import refuse_on_ring, ring_attention
 from ._sequence_order import (
     Layout,
     check_layout,
@@ -116,10 +116,18 @@ def sharded_flash_attention(
 
     `(out, lse)` as `flash_attention` returns them, as global arrays sharded like q.
 
-    `score_mod`, `mask_mod` and `block_mask` raise `NotImplementedError` (as on
-    `ring_flash_attention`): use `alibi_slopes`/`bias`, and causal/window/segment ids.
+    `score_mod`, `mask_mod` and `block_mask` raise `NotImplementedError`: use
+    `alibi_slopes`/`bias` and causal/window/segment ids, or `ring_flash_attention` (which
+    takes `score_mod`/`mask_mod`) inside your own `jax.shard_map`.
     """
-    check_flex_on_ring("sharded_flash_attention", score_mod, mask_mod, block_mask)
+    for name, value in (("score_mod", score_mod), ("mask_mod", mask_mod),
+                        ("block_mask", block_mask)):
+        refuse_on_ring(
+            "sharded_flash_attention", name, value,
+            "call ring_flash_attention inside your own jax.shard_map (it takes score_mod "
+            "and mask_mod, at global positions), or use alibi_slopes=/bias= for score "
+            "terms and causal=, window=, a key mask or segment ids for masks",
+        )
     options = make_options(
         causal=causal, window=window, scale=scale, softcap=softcap, block_q=block_q,
         block_k=block_k,
