@@ -496,6 +496,13 @@ def ring_attention(
     mods = check_score_mods(dataclasses.replace(shapes, seq_k=n * shapes.seq_k), bias,
                             alibi_slopes)
     piece = dataclasses.replace(shapes, seq_q=shapes.seq_q // m, seq_k=shapes.seq_k // m)
+    if (score_mod is not None or mask_mod is not None) and _varying_axes((q, k, v)):
+        # The kernels replay a traced score_mod/mask_mod, whose operations would mix
+        # varying positions with invariant values, which check_vma=True refuses.
+        raise NotImplementedError(
+            "ring_flash_attention takes score_mod/mask_mod only inside "
+            "jax.shard_map(..., check_vma=False); alibi_slopes= and bias= work either way"
+        )
     base = kernel_config(options, piece)
     flex_cfg, flex = prepare_mods(score_mod, mask_mod, shapes.heads, shapes.groups,
                                   base.block_q, base.block_k, stat_dtype(q.dtype))
@@ -522,8 +529,8 @@ def _ring_internal(ring: _Ring, q, k, v, mods: ScoreMods, masks: Masks, flex: Fl
     )
     bias = bias_columns(mods.bias, ring.num_devices * m, pad_k)
     ring_mods = RingMods(_pieces(bias, -2, m, pad_q), mods.slopes, flex.score)
-    # Replicated terms (slopes, the score_mod's arrays) vary like q under check_vma=True:
-    # the transpose of that cast sums the devices' shares of their cotangents.
+    # Replicated terms (slopes) vary like q under check_vma=True: the transpose of that
+    # cast sums the devices' shares of their cotangents.
     ring_mods = _vary(ring_mods, (qs, ks, vs))
     out, lse = cast(tuple[Any, Any], _ring_attention_ad(
         ring, qs, ks, vs, ring_mods, piece_masks, flex._replace(score=None)))
