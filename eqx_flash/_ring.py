@@ -422,7 +422,8 @@ def ring_flash_attention(
     - `score_mod`, `mask_mod`: as in `flash_attention`, with `q_idx`/`kv_idx` the
         *global* positions (whatever the layout); `batch` and `head` index this
         device's shard of the batch and heads axes. Gradients reach the score_mod's
-        arrays, each device's share summed by `shard_map`'s transpose.
+        arrays, each device's share summed by `shard_map`'s transpose. Inside
+        `shard_map(..., check_vma=False)` only (else `NotImplementedError`).
     - `axis_name`: the mesh axis the sequence is sharded over.
     - `block_q`, `block_k`: kernel block sizes within one chunk.
     - `layout`: how the global sequence was cut into the shards. `"contiguous"`: device
