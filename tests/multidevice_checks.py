@@ -218,8 +218,8 @@ def check_flash_sharded_inputs():
 
 
 def _flex_mods(table):
-    """A score_mod reading a per-head array and the positions, and a mask_mod that
-    empties some rows (row 0, with causal)."""
+    """A score_mod reading a per-head array and the positions, and a mask_mod of the
+    positions."""
 
     def score_mod(score, b, h, q_idx, kv_idx):
         return score + table[h] * ((q_idx - kv_idx) % 7).astype(score.dtype)
@@ -266,7 +266,7 @@ def _score_terms_errors(ring_fn, seq_q: int, seq_k: int, bias_shape, slopes_shap
 
 
 def check_ring_score_terms():
-    """Bias and ALiBi on the ring, against `plain_attention`: `sharded_flash_attention`
+    """Score terms on the ring, against `plain_attention`: `sharded_flash_attention`
     causal on zigzag (the default; bias reordered on both axes) with batch over `data`,
     and `ring_flash_attention` by hand, striped, with seq_q != seq_k (query
     positions aligned bottom-right on the global sequence) and a score_mod and mask_mod
