@@ -120,8 +120,9 @@ def backward(
     # The score_mod's arrays are shared by every (batch, kv head): sum their cotangents.
     d_score = jax.tree.map(lambda g, p: g.sum(axis=(0, 1)).astype(p.dtype), d_score,
                            flex.score)
+    # Only the bias and the slopes are differentiable (positions are not).
     d_mods = ScoreMods(*(None if m is None else jnp.zeros_like(m) if g is None else reduce(g, m)
-                         for g, m in zip(d_mods, mods, strict=True)))
+                         for g, m in ((d_mods.bias, mods.bias), (d_mods.slopes, mods.slopes))))
     return d_q, d_k, d_v, d_mods, d_score
 
 
@@ -155,8 +156,9 @@ def _head(
     def key_block(carry, j):
         return _key_block(inputs, bands, limits, keys, carry, j)
 
+    terms = (head.mods.bias, head.mods.slopes)
     d_mods = ScoreMods(*(jnp.zeros_like(m, stat) if m is not None and wanted else None
-                         for m, wanted in zip(head.mods, mods_wanted, strict=True)))
+                         for m, wanted in zip(terms, mods_wanted, strict=True)))
     # The score_mod's arrays' cotangents accumulate in the statistics dtype.
     d_score = jax.tree.map(lambda p: jnp.zeros_like(p, stat), flex.score)
     (dq_cols, d_mods, d_score), (d_k, d_v) = jax.lax.scan(
@@ -261,7 +263,7 @@ def _update(
         d_scores_t = ds.reshape(cfg.block_k, inputs.groups, cfg.block_q)  # no copy
         q_pos, k_pos = positions(cfg, q_start, block.start)
         d_mods = accumulate(d_mods, head.mods, d_scores_t, q_start, block.start, q_pos, k_pos,
-                            cfg.offset)
+                            cfg.score_offset)
     ds = ds.astype(inputs.dtype)
     # dk against the scaled queries is exact; dq is scaled once at the end.
     dk_b = dk_b + jnp.matmul(ds, query.q_rows[i], preferred_element_type=stat)

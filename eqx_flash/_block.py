@@ -18,7 +18,7 @@ from ._config import KernelConfig, stat_dtype
 from ._heads import Head
 from ._masking import Masks, data_mask, dropout_keep, length_mask, lengths_or, positional_mask
 from ._mods import FlexArrays, apply_score, block_indices, mask_of
-from ._scores import additive
+from ._scores import additive, global_positions
 
 
 def rows(x: Array, start: Array, size: int, axis: int) -> Array:
@@ -132,7 +132,7 @@ def score_terms(
     if head.mods.is_empty:
         return None
     q_pos, k_pos = positions(cfg, q_start, k_start)
-    return additive(head.mods, q_start, k_start, q_pos, k_pos, cfg.offset, cfg.block_q,
+    return additive(head.mods, q_start, k_start, q_pos, k_pos, cfg.score_offset, cfg.block_q,
                     cfg.block_k, dtype)
 
 
@@ -158,7 +158,10 @@ def flex_indices(
     """`(batch, head, q_idx, kv_idx)` of one block for `score_mod`/`mask_mod`, shaped
     `(g, 1, 1)`, `(g, 1, 1)`, `(1, bq, 1)`, `(1, 1, bk)` (`_mods.block_probe`)."""
     assert cfg.flex is not None
-    q_pos, k_pos = positions(cfg, q_start, k_start)
+    if head.mods.q_positions is not None:  # a shard of a longer sequence (ring attention)
+        q_pos, k_pos = global_positions(head.mods, q_start, k_start, cfg.block_q, cfg.block_k)
+    else:
+        q_pos, k_pos = positions(cfg, q_start, k_start)
     return block_indices(cfg.flex, head.head_ids, q_pos, k_pos)
 
 
@@ -184,7 +187,7 @@ def visit(
 
     `masked` is `_schedule.over_band`'s: False for a block that the schedule knows to be
     whole, by position and, with block flags, by the `mask_mod` too (then the `mask_mod`
-    is not evaluated). Without block flags (forward-mode kernels) the `mask_mod` is
+    is not evaluated). Without block flags (the ring's kernels) the `mask_mod` is
     evaluated on every block, and a block it empties is skipped.
     """
     q_start, k_start = qb * cfg.block_q, kb * cfg.block_k
@@ -202,6 +205,9 @@ def visit(
         return without_mod(carry)
     idx = flex_indices(cfg, head, q_start, k_start)
     mod = mask_of(flex_cfg, flex, idx, (head.head_ids.shape[0], cfg.block_q, cfg.block_k))
+    if not listed and cfg.seq_q % cfg.block_q:  # padding rows (discarded) must not keep
+        local_q = positions(cfg, q_start, k_start)[0]  # a block the mask_mod empties
+        mod = mod & (local_q < cfg.seq_q)
     mask = orient(mod if base is None else base & mod)
     return skip_if_empty(mask, has_data_mask or not listed, functools.partial(compute, mask),
                          carry)

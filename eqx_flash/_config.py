@@ -62,10 +62,18 @@ class KernelConfig:
     splits: int = 1
     # `score_mod`/`mask_mod` (`_mods`): their static parts; None without them.
     flex: Flex | None = None
+    # With global positions in the score terms (`ScoreMods.q_positions`, ring attention):
+    # the global `seq_k - seq_q` that ALiBi aligns them with.
+    alibi_offset: int | None = None
 
     @property
     def offset(self) -> int:
         return self.seq_k - self.seq_q if self.diagonal_offset is None else self.diagonal_offset
+
+    @property
+    def score_offset(self) -> int:
+        """The offset ALiBi aligns positions with (`_scores.alibi_distance`)."""
+        return self.offset if self.alibi_offset is None else self.alibi_offset
 
     @property
     def band_window(self) -> Window:

@@ -17,9 +17,10 @@ from beartype import beartype
 from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, jaxtyped
 
+from ._block_mask import BlockMask
 from ._masking import Masks
 from ._options import AttentionOptions, make_options
-from ._ring import ring_attention
+from ._ring import refuse_on_ring, ring_attention
 from ._sequence_order import (
     Layout,
     check_layout,
@@ -30,20 +31,24 @@ from ._sequence_order import (
 )
 from ._types import (
     LSE,
+    AlibiSlopes,
+    Bias,
     BlockSize,
     Flag,
     Key,
     KeyMask,
     KeySegmentIds,
     Lengths,
+    MaskMod,
     OptionalReal,
     Output,
     Query,
     QuerySegmentIds,
+    ScoreMod,
     Value,
     WindowLike,
 )
-from ._validation import check_lengths, check_masks, check_qkv, is_concrete
+from ._validation import check_lengths, check_masks, check_qkv, check_score_mods, is_concrete
 
 
 def _spec(ndim: int, placed: dict[int, Hashable | None]) -> PartitionSpec:
@@ -75,6 +80,11 @@ def sharded_flash_attention(
     softcap: OptionalReal = None,
     block_q: BlockSize = None,
     block_k: BlockSize = None,
+    bias: Bias | None = None,
+    alibi_slopes: AlibiSlopes | None = None,
+    score_mod: ScoreMod | None = None,
+    mask_mod: MaskMod | None = None,
+    block_mask: BlockMask | None = None,
 ) -> tuple[Output, LSE]:
     """`flash_attention` on global arrays, with the sequence sharded over `mesh`.
 
@@ -88,6 +98,10 @@ def sharded_flash_attention(
         `window`, `kv_lengths - q_lengths` must equal `seq_k - seq_q` (as for padded
         self-attention with equal lengths), since the ring aligns them on the global
         sequence: otherwise an error (`eqx.error_if` under `jax.jit`).
+    - `bias`, `alibi_slopes`: as in `flash_attention` (global arrays; ALiBi at global
+        positions), both differentiable. The bias is reordered with the sequence and
+        sharded by query rows: each device holds its queries' rows against all keys,
+        `seq_q * seq_k / devices` entries (`ring_flash_attention`).
     - `mesh`: a `jax.sharding.Mesh`.
     - `seq_axis`: mesh axis the sequence is split over (the ring).
     - `batch_axis`: optional mesh axis for the first leading axis of q, k, v (data
@@ -101,7 +115,19 @@ def sharded_flash_attention(
     **Returns:**
 
     `(out, lse)` as `flash_attention` returns them, as global arrays sharded like q.
+
+    `score_mod`, `mask_mod` and `block_mask` raise `NotImplementedError`: use
+    `alibi_slopes`/`bias` and causal/window/segment ids, or `ring_flash_attention` (which
+    takes `score_mod`/`mask_mod`) inside your own `jax.shard_map`.
     """
+    for name, value in (("score_mod", score_mod), ("mask_mod", mask_mod),
+                        ("block_mask", block_mask)):
+        refuse_on_ring(
+            "sharded_flash_attention", name, value,
+            "call ring_flash_attention inside your own jax.shard_map (it takes score_mod "
+            "and mask_mod, at global positions), or use alibi_slopes=/bias= for score "
+            "terms and causal=, window=, a key mask or segment ids for masks",
+        )
     options = make_options(
         causal=causal, window=window, scale=scale, softcap=softcap, block_q=block_q,
         block_k=block_k,
@@ -110,6 +136,7 @@ def sharded_flash_attention(
         check_layout(layout)
     q, k, v, shapes = check_qkv(q, k, v)
     check_masks(shapes, mask, None, q_segment_ids, kv_segment_ids)  # clear shape errors
+    check_score_mods(shapes, bias, alibi_slopes)
     if q_lengths is not None or kv_lengths is not None:
         q, k, v, q_segment_ids, kv_segment_ids = _lengths_as_segment_ids(
             shapes, options, q, k, v, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids
@@ -140,6 +167,15 @@ def sharded_flash_attention(
         with_heads = shapes.has_heads_axis and x.ndim == q.ndim - 1
         lead = shapes.lead_shape if with_heads else shapes.batch_shape
         extras[name] = jnp.broadcast_to(x, (*lead, seq))
+    if bias is not None:
+        # Leading axes filled out to q's, so that batch and heads shard by position.
+        bias = jnp.asarray(bias)
+        extras["bias"] = bias.reshape((1,) * (q.ndim - bias.ndim) + bias.shape)
+    if alibi_slopes is not None:
+        slopes = jnp.asarray(alibi_slopes)
+        extras["alibi_slopes"] = (
+            jnp.broadcast_to(slopes, shapes.lead_shape) if shapes.has_heads_axis else slopes
+        )
     return _sharded(
         q, k, v, extras, mesh=mesh, seq_axis=seq_axis, batch_axis=batch_axis,
         head_axis=head_axis, layout=layout, options=options,
@@ -196,6 +232,35 @@ def _lengths_as_segment_ids(shapes, options, q, k, v, q_lengths, kv_lengths, q_i
             ids(q_ids, q_valid, PADDED_QUERY_ID), ids(kv_ids, k_valid, PADDED_KEY_ID))
 
 
+# Extras not reordered along their last axis as the sequence is (`_sharded`).
+_ARRANGED_OUTSIDE = ("bias", "alibi_slopes")
+
+
+def _bias_spec(bias: Array, seq_axis: str, batch_axis: str | None, head_axis: str | None,
+               with_heads: bool) -> PartitionSpec:
+    """Bias (q's number of axes) sharded by query rows, and by batch and heads where it
+    has those axes (size-1 axes broadcast, so they are replicated)."""
+    placed: dict[int, Hashable | None] = {}
+    if bias.shape[-2] != 1:
+        placed[bias.ndim - 2] = seq_axis
+    if batch_axis is not None and bias.shape[0] != 1:
+        placed[0] = batch_axis
+    if with_heads and head_axis is not None and bias.shape[-3] != 1:
+        placed[bias.ndim - 3] = head_axis
+    return _spec(bias.ndim, placed)
+
+
+def _slopes_spec(slopes: Array, batch_axis: str | None, head_axis: str | None,
+                 with_heads: bool) -> PartitionSpec:
+    """ALiBi slopes `(*batch, heads)`, replicated along the ring."""
+    placed: dict[int, Hashable | None] = {}
+    if with_heads and batch_axis is not None and slopes.ndim > 1:
+        placed[0] = batch_axis
+    if with_heads and head_axis is not None:
+        placed[slopes.ndim - 1] = head_axis
+    return _spec(slopes.ndim, placed)
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("mesh", "seq_axis", "batch_axis", "head_axis", "layout", "options"),
@@ -224,7 +289,14 @@ def _sharded(
         qkv_specs.append(_spec(x.ndim, placed))
     extra_specs = {
         name: spec(x, with_heads=x.ndim == q.ndim - 1) for name, x in extras.items()
+        if name not in ("bias", "alibi_slopes")
     }
+    if "bias" in extras:
+        extra_specs["bias"] = _bias_spec(extras["bias"], seq_axis, batch_axis, head_axis,
+                                         with_heads=q.ndim > 2)
+    if "alibi_slopes" in extras:
+        extra_specs["alibi_slopes"] = _slopes_spec(extras["alibi_slopes"], batch_axis,
+                                                   head_axis, with_heads=q.ndim > 2)
     lse_spec = PartitionSpec(*qkv_specs[0][:-1])
 
     # Zigzag is reached from contiguous shards by moving whole chunks between devices
@@ -236,12 +308,14 @@ def _sharded(
             q, k, v = (zigzag_in_map(x, seq_axis, n, x.ndim - 2, inverse=False)
                        for x in (q, k, v))
             extras = {
-                name: zigzag_in_map(x, seq_axis, n, x.ndim - 1, inverse=False)
+                name: x if name in _ARRANGED_OUTSIDE else
+                zigzag_in_map(x, seq_axis, n, x.ndim - 1, inverse=False)
                 for name, x in extras.items()
             }
         out, lse = ring_attention(
             q, k, v, extras.get("mask"), extras.get("q_segment_ids"),
-            extras.get("kv_segment_ids"), axis_name=seq_axis, layout=layout, options=options,
+            extras.get("kv_segment_ids"), extras.get("bias"), extras.get("alibi_slopes"),
+            axis_name=seq_axis, layout=layout, options=options,
         )
         if in_map:
             out = zigzag_in_map(out, seq_axis, n, out.ndim - 2, inverse=True)
@@ -256,14 +330,23 @@ def _sharded(
         # The blockwise kernels create unsharded accumulators; see ring_flash_attention.
         check_vma=False,
     )
-    if in_map:
-        return ring(q, k, v, extras)
 
     def arrange(x: Array, axis: int) -> Array:
         return to_ring_layout(x, num_devices=n, layout=layout, axis=axis)
 
+    if "bias" in extras:
+        # Rows and columns in ring order, whatever the layout: the rows are sharded like
+        # the queries and each device slices the columns of the visiting keys.
+        bias = extras["bias"]
+        for axis in (-2, -1):
+            bias = bias if bias.shape[axis] == 1 else arrange(bias, axis)
+        extras = {**extras, "bias": bias}
+    if in_map:
+        return ring(q, k, v, extras)
+
     q, k, v = arrange(q, -2), arrange(k, -2), arrange(v, -2)
-    out, lse = ring(q, k, v, {name: arrange(x, -1) for name, x in extras.items()})
+    out, lse = ring(q, k, v, {name: x if name in _ARRANGED_OUTSIDE else arrange(x, -1)
+                              for name, x in extras.items()})
     return (
         from_ring_layout(out, num_devices=n, layout=layout, axis=-2),
         from_ring_layout(lse, num_devices=n, layout=layout, axis=-1),

@@ -51,6 +51,9 @@ QuerySegmentIds: TypeAlias = Integer[AnyArray, "... seq_q"]
 # Score terms: a float bias broadcastable to `(*batch, heads, seq_q, seq_k)` and ALiBi
 # slopes `(*batch, heads)`; how their leading axes broadcast is checked in `_validation`.
 Bias: TypeAlias = Float[AnyArray, "... #seq_q #seq_k"]
+# On the ring (`ring_flash_attention`, local shards), a device's query rows against all
+# keys: its last axis is the global seq_k, not the local shard's.
+RingBias: TypeAlias = Float[AnyArray, "... #seq_q #global_seq_k"]
 AlibiSlopes: TypeAlias = Float[AnyArray, "..."]
 KeySegmentIds: TypeAlias = Integer[AnyArray, "... seq_k"]
 # `score_mod(score, batch, head, q_idx, kv_idx) -> score` and `mask_mod(batch, head,

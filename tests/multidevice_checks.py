@@ -217,6 +217,104 @@ def check_flash_sharded_inputs():
     return result
 
 
+def _flex_mods(table):
+    """A score_mod reading a per-head array and the positions, and a mask_mod of the
+    positions."""
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + table[h] * ((q_idx - kv_idx) % 7).astype(score.dtype)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (q_idx + kv_idx) % 5 != 0
+
+    return {"score_mod": score_mod, "mask_mod": mask_mod}
+
+
+def _score_terms_errors(ring_fn, seq_q: int, seq_k: int, bias_shape, slopes_shape,
+                        causal: bool, flex: bool = False) -> dict:
+    """Relative max errors of out, lse and the cotangents of q, k, v, bias, ALiBi slopes
+    and the score_mod's array: `ring_fn(q, k, v, bias, slopes, table)` against
+    `plain_attention` on one device (with `_flex_mods(table)` if `flex`)."""
+    keys = jax.random.split(jax.random.key(1), 8)
+    q, k, v = qkv(keys[0], (B, H, seq_q, D), (B, KH, seq_k, D))
+    bias = jax.random.normal(keys[3], bias_shape)
+    slopes = jax.random.uniform(keys[4], slopes_shape, minval=0.05, maxval=0.5)
+    table = 0.1 * jax.random.normal(keys[7], (H,))
+    cot = (jax.random.normal(keys[5], (B, H, seq_q, D)), jax.random.normal(keys[6], (B, H, seq_q)))
+
+    def reference(q, k, v, bias, slopes, table):
+        return eqx_flash.plain_attention(q, k, v, causal=causal, bias=bias, alibi_slopes=slopes,
+                                         **(_flex_mods(table) if flex else {}))
+
+    def value_and_vjp(fn):
+        out, pull = jax.vjp(fn, q, k, v, bias, slopes, table)
+        return (*out, *pull(cot))
+
+    expected = jax.jit(lambda: value_and_vjp(reference))()
+    got = jax.jit(lambda: value_and_vjp(ring_fn))()
+    names = ("out", "lse", "dq", "dk", "dv", "dbias", "dslopes", "dtable")
+    result = {}
+    for name, a, b in zip(names, expected, got, strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        if not np.array_equal(np.isneginf(a), np.isneginf(b)) or np.any(np.isnan(b)):
+            result[name] = float("inf")
+            continue
+        finite = np.isfinite(a)
+        scale = max(1.0, float(np.max(np.abs(a[finite]), initial=0.0)))
+        result[name] = float(np.max(np.abs(a[finite] - b[finite]), initial=0.0)) / scale
+    return result
+
+
+def check_ring_score_terms():
+    """Score terms on the ring, against `plain_attention`: `sharded_flash_attention`
+    causal on zigzag (the default; bias reordered on both axes) with batch over `data`,
+    and `ring_flash_attention` by hand, striped, with seq_q != seq_k (query
+    positions aligned bottom-right on the global sequence) and a score_mod and mask_mod
+    too (global indices; query blocks that pad the rows), on 4 and 2 devices."""
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "seq"))
+
+    def sharded(q, k, v, bias, slopes, table):
+        return eqx_flash.sharded_flash_attention(
+            q, k, v, mesh=mesh, seq_axis="seq", batch_axis="data", causal=True, bias=bias,
+            alibi_slopes=slopes, block_q=8, block_k=8,
+        )
+
+    n, layout = 2, "striped"
+    seq_mesh = _seq_mesh(n)
+
+    def arrange(x, axis):
+        return eqx_flash.to_ring_layout(x, num_devices=n, layout=layout, axis=axis)
+
+    def local(q, k, v, bias, slopes, table):
+        return eqx_flash.ring_flash_attention(
+            q, k, v, axis_name="seq", layout=layout, bias=bias,
+            alibi_slopes=slopes, block_q=6, block_k=8, **_flex_mods(table),
+        )
+
+    seq = P(None, None, "seq")
+    mapped = jax.shard_map(
+        local, mesh=seq_mesh, in_specs=(seq, seq, seq, P(None, "seq", None), P(), P()),
+        out_specs=(seq, seq), check_vma=False,
+    )
+
+    def by_hand(q, k, v, bias, slopes, table):
+        # The bias's rows are sharded with the queries; each device has all its columns,
+        # in ring order too.
+        bias = arrange(arrange(bias, -2), -1)
+        out, lse = mapped(*(arrange(x, -2) for x in (q, k, v)), bias, slopes, table)
+        return (
+            eqx_flash.from_ring_layout(out, num_devices=n, layout=layout, axis=-2),
+            eqx_flash.from_ring_layout(lse, num_devices=n, layout=layout, axis=-1),
+        )
+
+    return {
+        "sharded_zigzag_causal": _score_terms_errors(sharded, 64, 64, (B, 1, 64, 64), (H,),
+                                                     causal=True),
+        "ring_striped_cross": _score_terms_errors(by_hand, 16, 32, (H, 16, 32), (B, H),
+                                                  causal=False, flex=True),
+    }
+
+
 CHECKS = {name[len("check_"):]: fn for name, fn in globals().items() if name.startswith("check_")}
 
 

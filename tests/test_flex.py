@@ -483,13 +483,16 @@ def test_block_mask_errors():
         make_block_mask(lambda b, h, i, j: i - j, (), 1, SQ, SK)
 
 
-def test_ring_refuses_modifications():
+def test_sharded_refuses_modifications():
     """(Forward mode with them works: tests/test_forward_mode_scores.py.)"""
     q, k, v = _qkv()
     mod = head_scaling(jnp.ones(H))
-    for name in ("score_mod", "mask_mod", "block_mask"):
-        with pytest.raises(TypeError, match=name):
-            eqx_flash.ring_flash_attention(q, k, v, axis_name="x", **{name: mod})
+    # ring_flash_attention takes them (tests/test_ring.py); sharded_flash_attention does
+    # not, and says so by name.
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+    for name in ("score_mod", "mask_mod"):
+        with pytest.raises(NotImplementedError, match=name):
+            eqx_flash.sharded_flash_attention(q, k, v, mesh=mesh, seq_axis="x", **{name: mod})
 
 
 # --- modules ---------------------------------------------------------------------------------

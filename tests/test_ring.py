@@ -20,7 +20,7 @@ import pytest
 from helpers import qkv
 from hypothesis import given
 from hypothesis import strategies as st
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec
 
 import eqx_flash
 
@@ -198,3 +198,89 @@ def test_lengths_on_the_ring_errors():
                                           kv_lengths=jnp.array([32, 20]))
     with pytest.raises(NotImplementedError, match="kv_lengths.*sharded_flash_attention"):
         eqx_flash.ring_flash_attention(q, k, v, axis_name="seq", kv_lengths=jnp.array([3, 4]))
+
+
+def test_score_terms_on_the_ring():
+    """Bias, ALiBi and a score_mod/mask_mod on the ring equal `plain_attention`'s: out,
+    lse and the cotangents of q, k, v, the bias, the slopes and the score_mod's array
+    (relative to the largest entry), on zigzag (`sharded_flash_attention`, causal, 4
+    devices) and striped (`ring_flash_attention`, seq_q != seq_k, 2 devices) orders,
+    whose global positions are permuted."""
+    result = multidevice("ring_score_terms")
+    for config, errors in result.items():
+        for name, error in errors.items():
+            assert error < TOL, (config, name, errors)
+
+
+def test_score_terms_one_device_check_vma(getkey):
+    """`ring_flash_attention` in a one-device `shard_map(check_vma=True)` with a bias whose
+    rows broadcast and per-head slopes, both replicated inputs (cast to vary with q;
+    their cotangents come back through that cast), causal with seq_q != seq_k. A
+    score_mod or mask_mod is refused there (check_vma=False takes them)."""
+    mesh = Mesh(np.array(jax.devices()[:1]), ("seq",))
+    q, k, v = qkv(getkey(), (2, 4, 16, 8), (2, 2, 24, 8))
+    bias = jax.random.normal(getkey(), (4, 1, 24))
+    slopes = jnp.array([0.5, 0.25, 0.125, 0.0625])
+    table = 0.1 * jax.random.normal(getkey(), (4,))
+
+    def mods(table):
+        return {
+            "score_mod": lambda s, b, h, i, j: s + table[h] * ((i + j) % 3).astype(s.dtype),
+            "mask_mod": lambda b, h, i, j: (i - j) % 4 != 1,
+        }
+
+    seq = PartitionSpec(None, None, "seq")
+
+    def ring(flex):
+        return jax.shard_map(
+            lambda q, k, v, bias, slopes, table: eqx_flash.ring_flash_attention(
+                q, k, v, axis_name="seq", causal=True, bias=bias, alibi_slopes=slopes,
+                block_q=16, block_k=16,  # the keys (and bias columns) padded
+                **(mods(table) if flex else {})),
+            mesh=mesh, in_specs=(seq, seq, seq, *[PartitionSpec()] * 3),
+            out_specs=(seq, seq), check_vma=True,
+        )
+
+    def loss(fn):
+        def f(*args):
+            out, lse = fn(*args)
+            return jnp.sum(out * out) + jnp.sum(lse * jnp.arange(16.0)[None, None, :])
+
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3, 4)))(
+            q, k, v, bias, slopes, table)
+
+    expected = loss(lambda q, k, v, b, s, t: eqx_flash.plain_attention(
+        q, k, v, causal=True, bias=b, alibi_slopes=s))
+    got = loss(ring(flex=False))
+    for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(got), strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-4, rtol=1e-4)
+    with pytest.raises(NotImplementedError, match="score_mod/mask_mod only inside.*check_vma"):
+        loss(ring(flex=True))
+
+
+def test_score_terms_on_the_ring_errors():
+    """What the ring cannot run is refused by name, with what to use instead: a
+    block_mask on the ring, score_mod/mask_mod/block_mask on `sharded_flash_attention`;
+    a bias of the wrong shape names `bias`."""
+    mesh = Mesh(np.array(jax.devices()[:1]), ("seq",))
+    q, k, v = qkv(jax.random.key(0), (1, 2, 8, 4), (1, 2, 8, 4))
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    block_mask = eqx_flash.make_block_mask(mask_mod, (1,), 2, 8, 8, 8, 8)
+    with pytest.raises(NotImplementedError, match="block_mask: pass the mask_mod alone"):
+        eqx_flash.ring_flash_attention(q, k, v, axis_name="seq", mask_mod=mask_mod,
+                                       block_mask=block_mask)
+    sharded = functools.partial(eqx_flash.sharded_flash_attention, mesh=mesh, seq_axis="seq")
+    for name, value in (("score_mod", score_mod), ("mask_mod", mask_mod),
+                        ("block_mask", block_mask)):
+        with pytest.raises(NotImplementedError,
+                           match=f"support {name}: call ring_flash_attention inside"):
+            sharded(q, k, v, **{name: value})
+    with pytest.raises((ValueError, TypeError), match="bias"):
+        eqx_flash.sharded_flash_attention(q, k, v, mesh=mesh, seq_axis="seq",
+                                          bias=jnp.zeros((3, 8, 8)))
