@@ -20,6 +20,7 @@ over query blocks) -> `_query_step` (one block pair).
 import functools
 from typing import Any, NamedTuple
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array
@@ -101,14 +102,23 @@ def backward(
     seed: Array | None,
     flex: FlexArrays = NO_FLEX,
     mods_wanted: tuple[bool, bool] = (True, True),
+    score_wanted: bool = True,
 ) -> tuple[Array, Array, Array, ScoreMods, Any]:
     """Cotangents of q, k, v, the score terms `mods` (internal layout) and the
     `score_mod`'s floating arrays `flex.score`, given `lse` and `delta` from `prepare` and
     the cotangent `d_out` of `out`. A score term whose entry of `mods_wanted` (bias,
-    slopes) is False gets zeros, without accumulating anything per block."""
+    slopes) is False gets zeros, without accumulating anything per block; so do the
+    score_mod's arrays without `score_wanted` (a frozen table costs no scatter-add)."""
     bands = band_ranges(cfg.seq_q, cfg.seq_k, cfg.block_q, cfg.block_k, cfg.band_window,
                         cfg.offset, by="k")
-    kernel = functools.partial(_head, cfg, bands, seed, not masks.is_empty, flex, mods_wanted)
+    kernel_flex = flex
+    if not score_wanted:  # the arrays become constants of the score_mod's VJP
+        kernel_flex = flex._replace(
+            score=jax.tree.map(lambda _: None, flex.score),
+            score_const=eqx.combine(flex.score, flex.score_const),
+        )
+    kernel = functools.partial(_head, cfg, bands, seed, not masks.is_empty, kernel_flex,
+                               mods_wanted)
     d_q, d_k, d_v, d_mods, d_score = per_head(kernel, (masks, mods),
                                               (q, k, v, d_out, lse, delta))
 
@@ -118,8 +128,11 @@ def backward(
         return grad.sum(axis=axes, keepdims=True).astype(like.dtype)
 
     # The score_mod's arrays are shared by every (batch, kv head): sum their cotangents.
-    d_score = jax.tree.map(lambda g, p: g.sum(axis=(0, 1)).astype(p.dtype), d_score,
-                           flex.score)
+    if score_wanted:
+        d_score = jax.tree.map(lambda g, p: g.sum(axis=(0, 1)).astype(p.dtype), d_score,
+                               flex.score)
+    else:
+        d_score = jax.tree.map(jnp.zeros_like, flex.score)
     # Only the bias and the slopes are differentiable (positions are not).
     d_mods = ScoreMods(*(None if m is None else jnp.zeros_like(m) if g is None else reduce(g, m)
                          for g, m in ((d_mods.bias, mods.bias), (d_mods.slopes, mods.slopes))))

@@ -526,12 +526,12 @@ def _linear_fn(*args, cfg: KernelConfig, which, res_tree, transposed: bool):
     if transposed:
         d_out, d_lse = linear
         safe_lse, delta = prepare(out, lse, d_out, d_lse)
-        # Score terms without a tangent (a constant bias or slopes) get no cotangent
-        # accumulation in the kernel.
-        wanted = jax.tree.unflatten(diff_tree, which)[3]
-        mods_wanted = (bool(wanted.bias), bool(wanted.slopes))
+        # Score terms without a tangent (a constant bias or slopes, a frozen score_mod)
+        # get no cotangent accumulation in the kernel.
+        wanted = jax.tree.unflatten(diff_tree, which)
+        mods_wanted = (bool(wanted[3].bias), bool(wanted[3].slopes))
         grads = backward(cfg, q, k, v, mods, safe_lse, delta, d_out, masks, seed, flex,
-                         mods_wanted)
+                         mods_wanted, score_wanted=any(jax.tree.leaves(wanted[4])))
         return [g for g, w in zip(jax.tree.leaves(grads), which, strict=True) if w]
     # Zero tangents stay None: the kernel skips what they would cost. (The score_mod's
     # arrays are differentiated together, with zeros filled in, or not at all.)

@@ -647,3 +647,22 @@ def test_block_mask_schedule_follows_the_band():
             some = (inner >= band.lo[outer]) & (inner < band.hi[outer])
             np.testing.assert_array_equal(seen[:, 0], whole, err_msg=by)
             np.testing.assert_array_equal(seen[:, 1], some & ~whole, err_msg=by)
+
+
+def test_frozen_score_mod_accumulates_no_cotangent():
+    """Differentiated with respect to q alone, a `RelativePositionBias` is a constant: the
+    backward kernel computes no cotangent for its table (no scatter-add in the program,
+    where a trained table has one), and q's gradient is the reference's."""
+    q, k, v = _qkv()
+    rpb = RelativePositionBias(H, key=jax.random.key(4))
+
+    def loss(q, m, attention):
+        return jnp.sum(attention(q, k, v, score_mod=m)[0] ** 2)
+
+    frozen = jax.grad(loss)(q, rpb, _flash)
+    np.testing.assert_allclose(frozen, jax.grad(loss)(q, rpb, plain_attention), atol=2e-5)
+    only_q = jax.jit(jax.grad(loss), static_argnums=2).lower(q, rpb, _flash).as_text()
+    both = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2).lower(
+        q, rpb, _flash).as_text()
+    assert "scatter" in both
+    assert "scatter" not in only_q
