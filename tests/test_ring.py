@@ -62,6 +62,7 @@ RING_CHECKS = [
 ]
 
 
+@pytest.mark.multidevice
 @pytest.mark.parametrize("check", RING_CHECKS)
 def test_matches_single_device(check):
     """out, lse, dq, dk, dv equal single-device flash_attention (GQA, key mask, segment
@@ -87,6 +88,7 @@ def test_matches_single_device(check):
         assert spec == "P('data', 'model')", result
 
 
+@pytest.mark.multidevice
 def test_memory_shrinks_with_devices():
     temp = multidevice("memory")
     assert temp["temp_4"] < 0.6 * temp["temp_2"], temp
@@ -200,6 +202,7 @@ def test_lengths_on_the_ring_errors():
         eqx_flash.ring_flash_attention(q, k, v, axis_name="seq", kv_lengths=jnp.array([3, 4]))
 
 
+@pytest.mark.multidevice
 def test_score_terms_on_the_ring():
     """Bias, ALiBi and a score_mod/mask_mod on the ring equal `plain_attention`'s: out,
     lse and the cotangents of q, k, v, the bias, the slopes and the score_mod's array
