@@ -1,10 +1,11 @@
-"""Public `flash_attention`: validation, layout, padding and `custom_vjp` wiring.
+"""Public `flash_attention`: validation, layout, padding and derivative wiring.
 
 The path of one call: `make_options` checks the static options and `check_qkv` /
 `check_masks` the arrays (all before tracing); `kernel_config` resolves block sizes and
 scale; `_blockwise` (jitted) brings q, k, v and masks into the internal layout and pads
-them to whole blocks; `_attention` is the `custom_vjp` whose forward is `_forward.forward`
-and whose VJP rule prepares `delta` and a finite lse for the pure `_backward.backward`.
+them to whole blocks; `_attention_ad` runs `_forward.forward` under a `custom_jvp`
+(`_tangent.with_forward_mode`) whose tangent kernel transposes into the pure
+`_backward.backward` for reverse mode.
 The kernels see only padded arrays in the internal layout; this module is the only place
 that knows about the public shapes.
 """
@@ -18,7 +19,6 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, PRNGKeyArray, jaxtyped
 
-from ._backward import backward, prepare
 from ._block_mask import BlockMask, block_flags_for, derived_flags
 from ._config import KernelConfig, decode_config, kernel_config, kernel_dtype, stat_dtype
 from ._decode import decode_forward, reads_raw_cache
@@ -71,34 +71,13 @@ def _forward(cfg: KernelConfig, q, k, v, mods: ScoreMods, masks: Masks, seed,
 
 # `score` is the score_mod's floating arrays (differentiable); `flex` its other arrays and
 # the mask_mod's, with `flex.score` left None.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(cfg: KernelConfig, q, k, v, mods: ScoreMods, score, masks: Masks,
                flex: FlexArrays, seed):
     return _forward(cfg, q, k, v, mods, masks, seed, flex._replace(score=score))
 
 
-def _attention_fwd(cfg, q, k, v, mods, score, masks, flex, seed):
-    out, lse = _forward(cfg, q, k, v, mods, masks, seed, flex._replace(score=score))
-    return (out, lse), (q, k, v, mods, score, out, lse, masks, flex, seed)
-
-
-def _attention_bwd(cfg, residuals, cotangents):
-    q, k, v, mods, score, out, lse, masks, flex, seed = residuals
-    lse, delta = prepare(out, lse, *cotangents)
-    # `flash_attention` differentiates through `_attention_ad`'s rule instead, whose
-    # transpose runs this kernel asked only for the cotangents of what has a tangent.
-    d_q, d_k, d_v, d_mods, d_score = backward(
-        cfg, q, k, v, mods, lse, delta, cotangents[0], masks, seed, flex._replace(score=score)
-    )
-    no_grad = jax.tree.map(lambda _: None, (masks, flex))
-    return d_q, d_k, d_v, d_mods, d_score, *no_grad, None
-
-
-_attention.defvjp(_attention_fwd, _attention_bwd)
-
-
-# Forward mode on top: a custom_jvp whose tangent transposes into `_attention_bwd`'s kernel
-# (`_tangent`), with every score term and modification.
+# Every derivative goes through this custom_jvp (`_tangent`): its tangent is the tangent
+# kernel, and its transpose (reverse mode) the backward kernel, `_backward.backward`.
 _attention_ad = with_forward_mode(_attention)
 
 
@@ -133,7 +112,7 @@ def _blockwise(
         (masks._replace(block_flags=None), mods),
     )
     masks = masks._replace(block_flags=flags)
-    # `functools.partial(jax.custom_vjp, ...)` hides the return type from type checkers.
+    # `functools.partial(jax.custom_jvp, ...)` hides the return type from type checkers.
     result = _attention_ad(cfg, q, k, v, mods, score, masks, flex, seed)
     out, lse = cast(tuple[Array, Array], result)
     return merge_heads(out[..., : cfg.seq_q, :].astype(dtype), lse[..., : cfg.seq_q], shapes)

@@ -26,8 +26,8 @@ is `jax.jvp` of it on the block, along `dS` and the tangents of its arrays. Tang
 that are zero are not materialised: their products are skipped (`_inputs`).
 
 `tangent_given_stats` is the variant the JVP rule runs: the rule has the forward's `out`
-and `lse` already (reverse mode needs the primal from the `custom_vjp` forward, see
-below), so the weights `P = exp(S - lse)` come out normalised, nothing is rescaled and
+and `lse` already (it computes the primal with the forward kernel, see below), so the
+weights `P = exp(S - lse)` come out normalised, nothing is rescaled and
 `(P*M) V` is not recomputed: per block, `S`, `dS` (one product of twice the depth),
 `(P*M) dV` and `(P*M*dS) V`. A jvp therefore costs a forward plus about 2.5 forwards
 (measured: `benchmarks/jvp_results.md`). The one-pass kernel would save the separate
@@ -37,12 +37,11 @@ linearisation), so it always takes the robust route.
 
 ## The wiring (`with_forward_mode`)
 
-JAX lets a function have a custom VJP or a custom JVP, not both. The attention becomes a
-`jax.custom_jvp` (symbolic zeros on) around the existing `custom_vjp` function, and its JVP
-rule returns
+JAX lets a function have a custom VJP or a custom JVP, not both. The attention (the
+forward kernel) is a `jax.custom_jvp` (symbolic zeros on), and its JVP rule returns
 
 - the primal by calling the `custom_jvp` function itself (so any outer transform re-enters
-  this rule, and reverse mode of the primal is today's `custom_vjp`), and
+  this rule), and
 - the tangent through `_linear_p`, a primitive that does what
   `jax.custom_derivatives.linear_call(tangent_fn, backward_fn, residuals, tangents)` does
   (plus the batching rule and zero handling linear_call lacks): `tangent_fn` is
@@ -661,7 +660,7 @@ def _clean_tangents(tangents, primals, masks) -> tuple[Any, ...]:
 
 def with_forward_mode(attention: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap `attention(cfg, q, k, v, mods, score, masks, flex, seed) -> (out, lse)`
-    (`_flash._attention`: a `custom_vjp` function on padded internal-layout arrays whose
+    (`_flash._attention`: the forward kernel on padded internal-layout arrays, whose
     differentiable inputs are q, k, v, the score terms `mods` and the score_mod's floating
     arrays `score`) so that forward mode works too (module docstring)."""
 
