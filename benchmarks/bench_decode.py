@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import eqx_flash._config as config
+import eqx_flash._core.config as config
 from eqx_flash import flash_attention
 
 

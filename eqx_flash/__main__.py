@@ -15,9 +15,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._flash import flash_attention
-from ._reference import plain_attention
-from ._sanity import value_and_grad_difference
+from ._api.flash import flash_attention
+from ._api.reference import plain_attention
+from ._api.sanity import value_and_grad_difference
 
 OUT_TOLERANCE = 1e-4
 GRAD_TOLERANCE = 1e-3

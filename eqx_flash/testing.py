@@ -28,11 +28,11 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, DTypeLike, Float, Int
 
-from ._block_mask import make_block_mask
-from ._mods import StaticValue
-from ._reference import plain_attention
-from ._sanity import split_outputs
-from ._sanity import value_and_grad_difference as value_and_grad_difference
+from ._api.reference import plain_attention
+from ._api.sanity import split_outputs
+from ._api.sanity import value_and_grad_difference as value_and_grad_difference
+from ._mods.block_mask import make_block_mask
+from ._mods.tracing import StaticValue
 
 if TYPE_CHECKING:
     from hypothesis.strategies import SearchStrategy

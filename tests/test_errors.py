@@ -3,7 +3,7 @@
 Each case runs twice: with jaxtyping's runtime checks on (the default; shape mismatches
 between arguments are then caught by axis name) and switched off with
 `jaxtyping.config.update("jaxtyping_disable", True)`, where the explicit checks in
-`eqx_flash._validation` must still catch every case on their own.
+`eqx_flash._api.binder` must still catch every case on their own.
 """
 
 import dataclasses

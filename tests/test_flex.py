@@ -19,7 +19,7 @@ from eqx_flash import (
     make_block_mask,
     plain_attention,
 )
-from eqx_flash._position_bias import relative_position_bucket
+from eqx_flash._mods.position_bias import relative_position_bucket
 from eqx_flash.testing import attention_inputs, check_attention
 
 B, H, KH, SQ, SK, D = 2, 4, 2, 40, 56, 16
@@ -221,7 +221,8 @@ class _BlockCounter:
     every kernel is traced with it)."""
 
     def __init__(self, monkeypatch):
-        from eqx_flash import _backward, _forward
+        from eqx_flash._kernels import backward as _backward
+        from eqx_flash._kernels import forward as _forward
 
         self.counts = {"forward": 0, "backward": 0}
         for name, module in (("forward", _forward), ("backward", _backward)):
@@ -326,8 +327,8 @@ def test_make_block_mask_partial_and_heads():
     some = blocks(dense & valid).any(axis=(3, 5))
     every = blocks(dense | ~valid).all(axis=(3, 5))
     np.testing.assert_array_equal(bm.flags, np.where(some, np.where(every, 2, 1), 0))
-    from eqx_flash._block_mask import block_flags_for
-    from eqx_flash._shapes import shapes_of
+    from eqx_flash._core.shapes import shapes_of
+    from eqx_flash._mods.block_mask import block_flags_for
 
     q, k, v = _qkv()
     folded = np.asarray(block_flags_for(bm, mask_mod, shapes_of(q, k, v), 16, 24))
@@ -625,11 +626,11 @@ def test_failing_score_mod_names_itself():
 def test_block_mask_schedule_follows_the_band():
     """With a block_mask, each outer block visits its flagged blocks, whole ones without
     masks: for causal, exactly `causal=True`'s band, with the same blocks whole."""
-    from eqx_flash._config import kernel_config
-    from eqx_flash._masking import Masks
-    from eqx_flash._options import Window, make_options
-    from eqx_flash._schedule import band_ranges, over_band, run_limits
-    from eqx_flash._shapes import Shapes
+    from eqx_flash._core.config import kernel_config
+    from eqx_flash._core.options import Window, make_options
+    from eqx_flash._core.shapes import Shapes
+    from eqx_flash._kernels.schedule import band_ranges, over_band, run_limits
+    from eqx_flash._semantics.masking import Masks
 
     causal = lambda b, h, i, j: j <= i + OFFSET  # noqa: E731
     flags = make_block_mask(causal, (), 1, SQ, SK, **BLOCKS).flags.reshape(1, 3, 3)

@@ -315,11 +315,11 @@ def test_ring_forward_mode_raises_clearly():
 def test_one_pass_kernel_agrees(window):
     """The one-pass online kernel `tangent` (out, lse and their tangents from scratch)
     equals the forward kernel and the kernel the jvp rule uses (given out and lse)."""
-    from eqx_flash._config import KernelConfig, Window
-    from eqx_flash._forward import forward
-    from eqx_flash._masking import Masks
-    from eqx_flash._scores import ScoreMods
-    from eqx_flash._tangent import tangent, tangent_given_stats
+    from eqx_flash._autodiff.derivatives import tangent, tangent_given_stats
+    from eqx_flash._core.config import KernelConfig, Window
+    from eqx_flash._kernels.forward import forward
+    from eqx_flash._semantics.masking import Masks
+    from eqx_flash._semantics.score_terms import ScoreMods
 
     cfg = KernelConfig(seq_q=30, seq_k=45, block_q=16, block_k=16, window=Window(*window),
                        scale=0.4, softcap=3.0)

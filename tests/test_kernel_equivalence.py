@@ -130,7 +130,7 @@ def test_fully_masked_rows():
 def low_precision_path(request, monkeypatch):
     """Both ways low-precision inputs can run: on CPU the kernels compute in float32
     (`_config.kernel_dtype`); accelerators keep the input dtype, which this forces."""
-    from eqx_flash import _flash
+    from eqx_flash._api import flash as _flash
 
     if request.param == "native":
         monkeypatch.setattr(_flash, "kernel_dtype", jnp.dtype)
@@ -156,10 +156,10 @@ def test_bfloat16(causal, low_precision_path):
 def test_segment_limits_follow_documents():
     """With packed documents, each block is scheduled against the blocks of its own
     documents only, so the work grows with document sizes, not with seq**2."""
-    from eqx_flash._config import KernelConfig
-    from eqx_flash._masking import Masks
-    from eqx_flash._options import Window
-    from eqx_flash._schedule import segment_limits
+    from eqx_flash._core.config import KernelConfig
+    from eqx_flash._core.options import Window
+    from eqx_flash._kernels.schedule import segment_limits
+    from eqx_flash._semantics.masking import Masks
 
     seq, block, doc = 256, 16, 64  # 4 documents of 4 blocks each, then a padded block
     ids = jnp.arange(seq + block) // doc

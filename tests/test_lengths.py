@@ -154,10 +154,10 @@ def test_length_errors_name_the_argument(fn):
 def test_length_limits_follow_lengths():
     """Key blocks wholly past a batch element's kv length (and query blocks past its q
     length) are never visited: the block pairs visited grow with the valid lengths."""
-    from eqx_flash._config import KernelConfig
-    from eqx_flash._masking import Masks
-    from eqx_flash._options import Window
-    from eqx_flash._schedule import length_limits, run_limits
+    from eqx_flash._core.config import KernelConfig
+    from eqx_flash._core.options import Window
+    from eqx_flash._kernels.schedule import length_limits, run_limits
+    from eqx_flash._semantics.masking import Masks
 
     seq, block = 256, 16
     for q_len, kv_len, window in ((64, 64, Window()), (256, 100, Window()),
@@ -229,9 +229,9 @@ def test_decode_path_matches_reference(seq_q, options):
 def test_decode_path_is_taken(monkeypatch):
     """Few queries against many key blocks run `_decode.decode_forward` (split-K), others
     the regular forward."""
-    import eqx_flash._flash as flash_module
-    from eqx_flash._config import DECODE_MAX_Q, KernelConfig, decode_splits
-    from eqx_flash._options import Window
+    import eqx_flash._api.flash as flash_module
+    from eqx_flash._core.config import DECODE_MAX_Q, KernelConfig, decode_splits
+    from eqx_flash._core.options import Window
 
     calls = []
     original = flash_module.decode_forward

@@ -166,9 +166,9 @@ def test_ring_outside_shard_map():
 def test_causal_work_is_balanced():
     """Kernel calls per device over a causal ring: zigzag and striped give every device
     the same work (fully masked chunk pairs skipped), contiguous does not."""
-    from eqx_flash._config import KernelConfig
-    from eqx_flash._options import Window
-    from eqx_flash._ring import _plan, _Ring
+    from eqx_flash._core.config import KernelConfig
+    from eqx_flash._core.options import Window
+    from eqx_flash._distributed.ring import _plan, _Ring
 
     n, chunk = 4, 32
 

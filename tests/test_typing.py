@@ -12,7 +12,8 @@ import pytest
 from helpers import qkv
 
 import eqx_flash
-from eqx_flash import _flash, _masking
+from eqx_flash._api import flash as _flash
+from eqx_flash._semantics import masking as _masking
 
 H, KH, SQ, SK, D, DV = 4, 2, 8, 12, 16, 8
 
@@ -153,7 +154,7 @@ def test_internal_functions_are_checked_in_tests():
     function of the package during the test suite, not just the public ones."""
     float_positions = jnp.arange(4.0)[:, None]
     int_positions = jnp.arange(4)[None, :]
-    window = eqx_flash._options.Window()
+    window = eqx_flash._core.options.Window()
     with pytest.raises(jaxtyping.TypeCheckError, match="q_pos"):
         _masking.positional_mask(float_positions, int_positions, 0, 4, window)
 

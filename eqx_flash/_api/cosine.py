@@ -6,9 +6,9 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, jaxtyped
 
-from ._config import stat_dtype
-from ._flash import flash_attention
-from ._types import LSE, Key, KeyMask, Output, Query, RealNumber, Value
+from .._api.flash import flash_attention
+from .._core.config import stat_dtype
+from .._core.types import LSE, Key, KeyMask, Output, Query, RealNumber, Value
 
 # The seed's fixed logit scale for unit-norm queries and keys.
 COSINE_SIM_SCALE = 10.0

@@ -26,23 +26,13 @@ import numpy as np
 from beartype import beartype
 from jaxtyping import Array, jaxtyped
 
-from . import _softmax
-from ._backward import backward, prepare
-from ._block_mask import BlockMask
-from ._compat import pcast_varying, varying_axes
-from ._config import KernelConfig, kernel_config, stat_dtype
-from ._forward import forward
-from ._masking import Masks
-from ._mods import FlexArrays
-from ._mods import prepare as prepare_mods
-from ._options import AttentionOptions, Window, make_options
-from ._ring_mods import RingMods, bias_columns, column_block, pair_mods, positions, put_column_block
-from ._schedule import block_schedule
-from ._scores import ScoreMods
-from ._sequence_order import Layout, check_layout, chunk_index, subchunks
-from ._shapes import Shapes, merge_heads, split_heads
-from ._tangent import reverse_only
-from ._types import (
+from .._api.binder import check_masks, check_qkv, check_score_mods
+from .._autodiff.derivatives import reverse_only
+from .._core.compat import pcast_varying, varying_axes
+from .._core.config import KernelConfig, kernel_config, stat_dtype
+from .._core.options import AttentionOptions, Window, make_options
+from .._core.shapes import Shapes, merge_heads, split_heads
+from .._core.types import (
     LSE,
     AlibiSlopes,
     BlockSize,
@@ -60,7 +50,24 @@ from ._types import (
     Value,
     WindowLike,
 )
-from ._validation import check_masks, check_qkv, check_score_mods
+from .._distributed.ring_score_terms import (
+    RingMods,
+    bias_columns,
+    column_block,
+    pair_mods,
+    positions,
+    put_column_block,
+)
+from .._distributed.sequence_order import Layout, check_layout, chunk_index, subchunks
+from .._kernels.backward import backward, prepare
+from .._kernels.forward import forward
+from .._kernels.schedule import block_schedule
+from .._mods.block_mask import BlockMask
+from .._mods.tracing import FlexArrays
+from .._mods.tracing import prepare as prepare_mods
+from .._semantics import softmax as _softmax
+from .._semantics.masking import Masks
+from .._semantics.score_terms import ScoreMods
 
 
 @dataclasses.dataclass(frozen=True)

@@ -84,15 +84,15 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 from jaxtyping import Array
 
-from . import _block
-from ._backward import backward, prepare
-from ._config import KernelConfig, stat_dtype
-from ._decode import reads_raw_cache
-from ._heads import Head, per_head
-from ._masking import Masks, valid_rows
-from ._mods import NO_FLEX, FlexArrays, apply_score
-from ._schedule import band_ranges, over_band, run_limits
-from ._scores import ScoreMods
+from .._core.config import KernelConfig, stat_dtype
+from .._kernels import tile as _block
+from .._kernels.backward import backward, prepare
+from .._kernels.heads import Head, per_head
+from .._kernels.schedule import band_ranges, over_band, run_limits
+from .._kernels.split_k import reads_raw_cache
+from .._mods.tracing import NO_FLEX, FlexArrays, apply_score
+from .._semantics.masking import Masks, valid_rows
+from .._semantics.score_terms import ScoreMods
 
 NO_MODS = ScoreMods()
 

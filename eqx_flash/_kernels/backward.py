@@ -25,7 +25,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from ._block import (
+from .._core.config import KernelConfig, stat_dtype
+from .._kernels.heads import Head, per_head
+from .._kernels.schedule import Bands, Limits, band_ranges, over_band, run_limits
+from .._kernels.tile import (
     dropout_multiplier,
     flex_indices,
     folds_scale,
@@ -37,13 +40,10 @@ from ._block import (
     transposed,
     visit,
 )
-from ._config import KernelConfig, stat_dtype
-from ._heads import Head, per_head
-from ._masking import Masks
-from ._mods import NO_FLEX, FlexArrays, apply_score
-from ._schedule import Bands, Limits, band_ranges, over_band, run_limits
-from ._scores import ScoreMods, accumulate
-from ._softmax import finite_lse
+from .._mods.tracing import NO_FLEX, FlexArrays, apply_score
+from .._semantics.masking import Masks
+from .._semantics.score_terms import ScoreMods, accumulate
+from .._semantics.softmax import finite_lse
 
 
 def prepare(out: Array, lse: Array, d_out: Array, d_lse: Array) -> tuple[Array, Array]:

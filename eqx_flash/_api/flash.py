@@ -19,18 +19,18 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, PRNGKeyArray, jaxtyped
 
-from ._block_mask import BlockMask, block_flags_for, derived_flags
-from ._config import KernelConfig, decode_config, kernel_config, kernel_dtype, stat_dtype
-from ._decode import decode_forward, reads_raw_cache
-from ._forward import forward
-from ._masking import Masks, dropout_seed, valid_rows
-from ._mods import NO_FLEX, FlexArrays
-from ._mods import prepare as prepare_mods
-from ._options import make_options
-from ._scores import ScoreMods
-from ._shapes import Shapes, merge_heads, split_heads
-from ._tangent import with_forward_mode
-from ._types import (
+from .._api.binder import (
+    check_dropout_key,
+    check_lengths,
+    check_masks,
+    check_qkv,
+    check_score_mods,
+)
+from .._autodiff.derivatives import with_forward_mode
+from .._core.config import KernelConfig, decode_config, kernel_config, kernel_dtype, stat_dtype
+from .._core.options import make_options
+from .._core.shapes import Shapes, merge_heads, split_heads
+from .._core.types import (
     LSE,
     AlibiSlopes,
     Bias,
@@ -51,13 +51,13 @@ from ._types import (
     Value,
     WindowLike,
 )
-from ._validation import (
-    check_dropout_key,
-    check_lengths,
-    check_masks,
-    check_qkv,
-    check_score_mods,
-)
+from .._kernels.forward import forward
+from .._kernels.split_k import decode_forward, reads_raw_cache
+from .._mods.block_mask import BlockMask, block_flags_for, derived_flags
+from .._mods.tracing import NO_FLEX, FlexArrays
+from .._mods.tracing import prepare as prepare_mods
+from .._semantics.masking import Masks, dropout_seed, valid_rows
+from .._semantics.score_terms import ScoreMods
 
 
 def _forward(cfg: KernelConfig, q, k, v, mods: ScoreMods, masks: Masks, seed,

@@ -14,10 +14,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int8
 
-from ._config import choose_block, default_blocks
-from ._mods import check_mask_mod
-from ._options import Window, make_options
-from ._shapes import Shapes
+from .._core.config import choose_block, default_blocks
+from .._core.options import Window, make_options
+from .._core.shapes import Shapes
+from .._mods.tracing import check_mask_mod
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 

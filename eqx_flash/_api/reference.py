@@ -9,24 +9,17 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import PRNGKeyArray, jaxtyped
 
-from ._block_mask import BlockMask, block_flags_for
-from ._config import stat_dtype
-from ._masking import (
-    data_mask,
-    dropout_keep,
-    dropout_seed,
-    flat_head_index,
-    length_mask,
-    lengths_or,
-    positional_mask,
-    valid_rows,
+from .._api.binder import (
+    check_dropout_key,
+    check_lengths,
+    check_masks,
+    check_qkv,
+    check_score_mods,
 )
-from ._mods import block_probe, check_mask_mod, check_score_mod, grid_indices
-from ._options import make_options
-from ._scores import additive
-from ._shapes import merge_heads, split_heads
-from ._softmax import finish
-from ._types import (
+from .._core.config import stat_dtype
+from .._core.options import make_options
+from .._core.shapes import merge_heads, split_heads
+from .._core.types import (
     LSE,
     AlibiSlopes,
     Bias,
@@ -46,13 +39,20 @@ from ._types import (
     Value,
     WindowLike,
 )
-from ._validation import (
-    check_dropout_key,
-    check_lengths,
-    check_masks,
-    check_qkv,
-    check_score_mods,
+from .._mods.block_mask import BlockMask, block_flags_for
+from .._mods.tracing import block_probe, check_mask_mod, check_score_mod, grid_indices
+from .._semantics.masking import (
+    data_mask,
+    dropout_keep,
+    dropout_seed,
+    flat_head_index,
+    length_mask,
+    lengths_or,
+    positional_mask,
+    valid_rows,
 )
+from .._semantics.score_terms import additive
+from .._semantics.softmax import finish
 
 
 @jaxtyped(typechecker=beartype)

@@ -17,8 +17,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from . import _softmax
-from ._block import (
+from .._core.config import KernelConfig, stat_dtype
+from .._kernels.heads import Head, per_head
+from .._kernels.schedule import Bands, Limits, band_ranges, over_band, run_limits
+from .._kernels.tile import (
     dropout_multiplier,
     logits,
     matmul,
@@ -28,12 +30,10 @@ from ._block import (
     score_terms,
     visit,
 )
-from ._config import KernelConfig, stat_dtype
-from ._heads import Head, per_head
-from ._masking import Masks
-from ._mods import NO_FLEX, FlexArrays
-from ._schedule import Bands, Limits, band_ranges, over_band, run_limits
-from ._scores import ScoreMods
+from .._mods.tracing import NO_FLEX, FlexArrays
+from .._semantics import softmax as _softmax
+from .._semantics.masking import Masks
+from .._semantics.score_terms import ScoreMods
 
 
 class _HeadInputs(NamedTuple):

@@ -16,12 +16,9 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, jaxtyped
 
-from ._block_mask import BlockMask
-from ._cache import KVCache
-from ._flash import flash_attention
-from ._mods import AtPositions
-from ._options import check_rate, make_options
-from ._types import (
+from .._api.flash import flash_attention
+from .._core.options import check_rate, make_options
+from .._core.types import (
     AlibiSlopes,
     Bias,
     BlockSize,
@@ -33,6 +30,9 @@ from ._types import (
     ScoreMod,
     WindowLike,
 )
+from .._mods.block_mask import BlockMask
+from .._mods.tracing import AtPositions
+from .._nn.cache import KVCache
 
 # `(seq_k,)` key padding, `(seq_q, seq_k)` shared by all heads, or one per head.
 Mask = Bool[Array, "seq_k"] | Bool[Array, "seq_q seq_k"] | Bool[Array, "heads seq_q seq_k"]

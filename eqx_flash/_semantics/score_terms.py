@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from ._masking import block_of
+from .._semantics.masking import block_of
 
 
 class ScoreMods(NamedTuple):

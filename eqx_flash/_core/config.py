@@ -10,9 +10,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from ._mods import Flex
-from ._options import AttentionOptions, Window
-from ._shapes import Shapes
+from .._core.options import AttentionOptions, Window
+from .._core.shapes import Shapes
+from .._mods.tracing import Flex
 
 # Tuned on a 2-core x86-64 CPU: benchmarks/tune_blocks.py, result in benchmarks/tune_blocks.md.
 # Long key blocks suit the backward pass (a key block's dk/dv stay in its loop's carry, and

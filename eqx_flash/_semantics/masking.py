@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int, UInt32
 
-from ._config import Window
+from .._core.config import Window
 
 
 class Masks(NamedTuple):

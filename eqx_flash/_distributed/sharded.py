@@ -17,19 +17,9 @@ from beartype import beartype
 from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, jaxtyped
 
-from ._block_mask import BlockMask
-from ._masking import Masks
-from ._options import AttentionOptions, make_options
-from ._ring import refuse_on_ring, ring_attention
-from ._sequence_order import (
-    Layout,
-    check_layout,
-    from_ring_layout,
-    ring_order,
-    to_ring_layout,
-    zigzag_in_map,
-)
-from ._types import (
+from .._api.binder import check_lengths, check_masks, check_qkv, check_score_mods, is_concrete
+from .._core.options import AttentionOptions, make_options
+from .._core.types import (
     LSE,
     AlibiSlopes,
     Bias,
@@ -48,7 +38,17 @@ from ._types import (
     Value,
     WindowLike,
 )
-from ._validation import check_lengths, check_masks, check_qkv, check_score_mods, is_concrete
+from .._distributed.ring import refuse_on_ring, ring_attention
+from .._distributed.sequence_order import (
+    Layout,
+    check_layout,
+    from_ring_layout,
+    ring_order,
+    to_ring_layout,
+    zigzag_in_map,
+)
+from .._mods.block_mask import BlockMask
+from .._semantics.masking import Masks
 
 
 def _spec(ndim: int, placed: dict[int, Hashable | None]) -> PartitionSpec:

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from ._masking import Masks, flat_head_index
-from ._scores import ScoreMods
+from .._semantics.masking import Masks, flat_head_index
+from .._semantics.score_terms import ScoreMods
 
 
 class Head(NamedTuple):

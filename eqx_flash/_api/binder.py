@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike
 
-from ._masking import Masks
-from ._scores import ScoreMods
-from ._shapes import Shapes, mask_to_internal, shapes_of
+from .._core.shapes import Shapes, mask_to_internal, shapes_of
+from .._semantics.masking import Masks
+from .._semantics.score_terms import ScoreMods
 
 
 def as_float_array(name: str, x: ArrayLike) -> Array:

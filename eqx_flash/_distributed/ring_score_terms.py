@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from ._scores import ScoreMods
-from ._sequence_order import chunk_index
+from .._distributed.sequence_order import chunk_index
+from .._semantics.score_terms import ScoreMods
 
 
 class RingMods(NamedTuple):

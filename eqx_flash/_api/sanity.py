@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, DTypeLike, Float, jaxtyped
 
-from ._config import stat_dtype
+from .._core.config import stat_dtype
 
 
 def split_outputs(result: Any) -> tuple[Array, Array | None]:

@@ -16,10 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
 
-from ._block_mask import EMPTY, FULL
-from ._config import KernelConfig
-from ._masking import Masks, lengths_or
-from ._options import Window
+from .._core.config import KernelConfig
+from .._core.options import Window
+from .._mods.block_mask import EMPTY, FULL
+from .._semantics.masking import Masks, lengths_or
 
 
 class Schedule(NamedTuple):

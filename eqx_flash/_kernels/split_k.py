@@ -18,13 +18,13 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from . import _softmax
-from ._block import allowed, dropout_multiplier, logits, rows, scaled
-from ._config import KernelConfig, stat_dtype
-from ._heads import Head, Rows, per_head
-from ._masking import Masks
-from ._schedule import band_ranges, run_limits
-from ._scores import ScoreMods
+from .._core.config import KernelConfig, stat_dtype
+from .._kernels.heads import Head, Rows, per_head
+from .._kernels.schedule import band_ranges, run_limits
+from .._kernels.tile import allowed, dropout_multiplier, logits, rows, scaled
+from .._semantics import softmax as _softmax
+from .._semantics.masking import Masks
+from .._semantics.score_terms import ScoreMods
 
 
 def reads_raw_cache(cfg: KernelConfig, has_score_terms: bool) -> bool:

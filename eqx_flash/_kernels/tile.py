@@ -14,11 +14,18 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from ._config import KernelConfig, stat_dtype
-from ._heads import Head
-from ._masking import Masks, data_mask, dropout_keep, length_mask, lengths_or, positional_mask
-from ._mods import FlexArrays, apply_score, block_indices, mask_of
-from ._scores import additive, global_positions
+from .._core.config import KernelConfig, stat_dtype
+from .._kernels.heads import Head
+from .._mods.tracing import FlexArrays, apply_score, block_indices, mask_of
+from .._semantics.masking import (
+    Masks,
+    data_mask,
+    dropout_keep,
+    length_mask,
+    lengths_or,
+    positional_mask,
+)
+from .._semantics.score_terms import additive, global_positions
 
 
 def rows(x: Array, start: Array, size: int, axis: int) -> Array:
