@@ -3,6 +3,8 @@
 reference; causal and softcap written as modifications equal the built-in options (the
 causal one computing exactly the same blocks); clear errors naming the argument."""
 
+import dataclasses
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -225,8 +227,9 @@ class _BlockCounter:
         from eqx_flash._kernels import forward as _forward
 
         self.counts = {"forward": 0, "backward": 0}
-        for name, module in (("forward", _forward), ("backward", _backward)):
-            monkeypatch.setattr(module, "_update", self._counting(name, module._update))
+        for name, module, tile in (("forward", _forward, "_forward_tile"),
+                                   ("backward", _backward, "_backward_tile")):
+            monkeypatch.setattr(module, tile, self._counting(name, getattr(module, tile)))
         jax.clear_caches()
 
     def _counting(self, name, update):
@@ -627,18 +630,18 @@ def test_block_mask_schedule_follows_the_band():
     """With a block_mask, each outer block visits its flagged blocks, whole ones without
     masks: for causal, exactly `causal=True`'s band, with the same blocks whole."""
     from eqx_flash._core.config import kernel_config
+    from eqx_flash._core.operands import Operands
     from eqx_flash._core.options import Window, make_options
     from eqx_flash._core.shapes import Shapes
     from eqx_flash._kernels.schedule import band_ranges, over_band, run_limits
-    from eqx_flash._semantics.masking import Masks
 
     causal = lambda b, h, i, j: j <= i + OFFSET  # noqa: E731
     flags = make_block_mask(causal, (), 1, SQ, SK, **BLOCKS).flags.reshape(1, 3, 3)
     cfg = kernel_config(make_options(**BLOCKS), Shapes((), 1, 1, SQ, SK, 8, 8, False))
     for by in ("q", "k"):
-        limits = run_limits(cfg, Masks(block_flags=flags), by)
-        unmasked = band_ranges(SQ, SK, 16, 24, Window(), OFFSET, by=by)  # no static band
-        band = band_ranges(SQ, SK, 16, 24, Window(None, 0), OFFSET, by=by)
+        limits = run_limits(cfg, Operands(block_flags=flags), by)
+        unmasked = band_ranges(cfg, by=by)  # no static band
+        band = band_ranges(dataclasses.replace(cfg, window=Window(None, 0)), by=by)
         for outer in range(3):
             seen = over_band(unmasked, jnp.int32(outer),
                              lambda c, j, masked: c.at[j, int(masked)].add(1),

@@ -157,13 +157,13 @@ def test_segment_limits_follow_documents():
     """With packed documents, each block is scheduled against the blocks of its own
     documents only, so the work grows with document sizes, not with seq**2."""
     from eqx_flash._core.config import KernelConfig
+    from eqx_flash._core.operands import Operands
     from eqx_flash._core.options import Window
     from eqx_flash._kernels.schedule import segment_limits
-    from eqx_flash._semantics.masking import Masks
 
     seq, block, doc = 256, 16, 64  # 4 documents of 4 blocks each, then a padded block
     ids = jnp.arange(seq + block) // doc
-    masks = Masks(q_segment_ids=ids.reshape(1, -1, 1), kv_segment_ids=ids.reshape(1, 1, -1))
+    masks = Operands(q_segment_ids=ids.reshape(1, -1, 1), kv_segment_ids=ids.reshape(1, 1, -1))
     cfg = KernelConfig(seq_q=seq, seq_k=seq, block_q=block, block_k=block, window=Window(),
                        scale=1.0)
     for by in ("q", "k"):

@@ -155,16 +155,16 @@ def test_length_limits_follow_lengths():
     """Key blocks wholly past a batch element's kv length (and query blocks past its q
     length) are never visited: the block pairs visited grow with the valid lengths."""
     from eqx_flash._core.config import KernelConfig
+    from eqx_flash._core.operands import Operands
     from eqx_flash._core.options import Window
     from eqx_flash._kernels.schedule import length_limits, run_limits
-    from eqx_flash._semantics.masking import Masks
 
     seq, block = 256, 16
     for q_len, kv_len, window in ((64, 64, Window()), (256, 100, Window()),
                                   (64, 64, Window(None, 0)), (64, 200, Window(None, 0)),
                                   (0, 100, Window()), (40, 0, Window()),
                                   (64, 64, Window(20, 0))):
-        masks = Masks(q_lengths=jnp.full((1, 1, 1), q_len, jnp.int32),
+        masks = Operands(q_lengths=jnp.full((1, 1, 1), q_len, jnp.int32),
                       kv_lengths=jnp.full((1, 1, 1), kv_len, jnp.int32))
         cfg = KernelConfig(seq_q=seq, seq_k=seq, block_q=block, block_k=block, window=window,
                            scale=1.0, lengths=True)
@@ -187,7 +187,7 @@ def test_length_limits_follow_lengths():
             np.testing.assert_array_equal(visited, need, err_msg=f"{q_len=} {kv_len=} {by=}")
             assert run_limits(cfg, masks, by) is not None
     # padded to 4x its length, an element visits a sixteenth of the block pairs
-    masks = Masks(q_lengths=jnp.full((1, 1, 1), 64, jnp.int32),
+    masks = Operands(q_lengths=jnp.full((1, 1, 1), 64, jnp.int32),
                   kv_lengths=jnp.full((1, 1, 1), 64, jnp.int32))
     cfg = KernelConfig(seq_q=seq, seq_k=seq, block_q=block, block_k=block, window=Window(),
                        scale=1.0, lengths=True)
@@ -227,20 +227,20 @@ def test_decode_path_matches_reference(seq_q, options):
 
 
 def test_decode_path_is_taken(monkeypatch):
-    """Few queries against many key blocks run `_decode.decode_forward` (split-K), others
+    """Few queries against many key blocks run `split_k_forward` (flash-decoding), others
     the regular forward."""
     import eqx_flash._api.flash as flash_module
     from eqx_flash._core.config import DECODE_MAX_Q, KernelConfig, decode_splits
     from eqx_flash._core.options import Window
 
     calls = []
-    original = flash_module.decode_forward
+    original = flash_module.split_k_forward
 
     def spy(cfg, *args):
         calls.append(cfg)
         return original(cfg, *args)
 
-    monkeypatch.setattr(flash_module, "decode_forward", spy)
+    monkeypatch.setattr(flash_module, "split_k_forward", spy)
     jax.clear_caches()
     for seq_q in (1, 3, 16):
         q, k, v = _qkv(seq_q, 3 * 64 + 5, seed=seq_q)

@@ -168,17 +168,17 @@ def test_causal_work_is_balanced():
     the same work (fully masked chunk pairs skipped), contiguous does not."""
     from eqx_flash._core.config import KernelConfig
     from eqx_flash._core.options import Window
-    from eqx_flash._distributed.ring import _plan, _Ring
+    from eqx_flash._distributed.ring_plan import Ring, plan
 
     n, chunk = 4, 32
 
     def calls(layout: str) -> list[int]:
         base = KernelConfig(chunk, chunk, 16, 16, Window(None, 0), 1.0)
-        plan = _plan(_Ring("seq", n, layout, base))
+        variants_of = plan(Ring("seq", n, layout, base))
         return [
             sum(
                 variants[table[a, b]] is not None
-                for variants, table in plan.values()
+                for variants, table in variants_of.values()
                 for b in range(n)
             )
             for a in range(n)

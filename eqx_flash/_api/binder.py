@@ -1,10 +1,16 @@
-"""Checks of the array arguments shared by every entry point, with messages that name
-the argument (the static options are checked by `_options.make_options`).
+"""The binder: every entry point checks its arguments and binds them into one `Bound`
+call here, so the same bad input raises the same exception with the same message
+wherever it is passed.
 
-All checks are on static properties (shapes, dtypes), so they also run, at trace time,
-under `jax.jit`.
+`bind` runs on static properties only (shapes, dtypes, Python values), so it also runs
+at trace time under `jax.jit`. Its messages name the argument and show what was
+expected. The static options are checked by `_core.options.make_options`; the array
+arguments are brought into the internal layout (`_core.shapes`) as the `Operands` fields
+they fill, each by the checker of its field's `kind` (`bind_array`).
 """
 
+import dataclasses
+from collections.abc import Callable
 from typing import Any, cast
 
 import equinox as eqx
@@ -13,9 +19,103 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike
 
+from .._core import operands as operands_
+from .._core.operands import Kind, Operands
+from .._core.options import AttentionOptions, make_options
 from .._core.shapes import Shapes, mask_to_internal, shapes_of
-from .._semantics.masking import Masks
-from .._semantics.score_terms import ScoreMods
+from .._semantics.dropout import seed_from_key
+
+
+@dataclasses.dataclass(frozen=True)
+class Bound:
+    """One call's arguments, checked: the static options, the problem's sizes, q, k, v
+    and the per-call arrays in the internal layout. `score_mod`, `mask_mod` and
+    `block_mask` are kept as given: they are traced at the kernels' block sizes
+    (`_mods.tracing.trace_mods`, `_mods.block_mask.block_flags_for`)."""
+
+    options: AttentionOptions
+    shapes: Shapes
+    q: Array
+    k: Array
+    v: Array
+    operands: Operands
+    score_mod: Any = None
+    mask_mod: Any = None
+    block_mask: Any = None
+
+
+def bind(
+    entry: str,
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    mask: ArrayLike | None = None,
+    *,
+    attn_mask: ArrayLike | None = None,
+    causal: Any = False,
+    window: Any = None,
+    q_segment_ids: ArrayLike | None = None,
+    kv_segment_ids: ArrayLike | None = None,
+    q_lengths: ArrayLike | None = None,
+    kv_lengths: ArrayLike | None = None,
+    scale: Any = None,
+    softcap: Any = None,
+    block_q: Any = None,
+    block_k: Any = None,
+    dropout_rate: Any = 0.0,
+    key: Any = None,
+    bias: ArrayLike | None = None,
+    alibi_slopes: ArrayLike | None = None,
+    score_mod: Any = None,
+    mask_mod: Any = None,
+    block_mask: Any = None,
+    key_columns: Callable[[], int] | None = None,
+) -> Bound:
+    """Check every argument of `entry` (the public function's name, for messages) and
+    bind them. Entry points pass their whole signature (`bind(name, **locals())`); an
+    argument they do not take keeps its default.
+
+    `key_columns`: gives the length of `bias`'s key axis when it is not `k`'s (the ring:
+    a device's rows against every key); called after the options are checked, so that
+    the ring reports a bad option before it looks for its mesh axis.
+    """
+    del entry  # every message names the argument itself
+    options = make_options(
+        causal=causal, window=window, scale=scale, softcap=softcap, block_q=block_q,
+        block_k=block_k, dropout_rate=dropout_rate,
+    )
+    q, k, v, shapes = check_qkv(q, k, v)
+    bias_shapes = shapes if key_columns is None else dataclasses.replace(
+        shapes, seq_k=key_columns())
+    given = dict(mask=mask, attn_mask=attn_mask, q_segment_ids=q_segment_ids,
+                 kv_segment_ids=kv_segment_ids, bias=bias, alibi_slopes=alibi_slopes,
+                 q_lengths=q_lengths, kv_lengths=kv_lengths)
+    _check_pairs(given, ("q_segment_ids", "kv_segment_ids"))
+    fields = {}
+    for argument, name in operands_.public_arguments().items():
+        kind, value = operands_.kind_of(name), given.get(argument)
+        if kind is None or value is None:
+            continue
+        target = bias_shapes if argument == "bias" else shapes
+        fields[name] = bind_array(kind, argument, value, target)
+    key = check_dropout_key(options.dropout_rate, key)
+    if key is not None:
+        fields["dropout_seed"] = seed_from_key(key)
+    for name, mod in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+        if mod is not None and not callable(mod):
+            raise TypeError(f"{name} must be callable; got {name} of type "
+                            f"{type(mod).__name__}")
+    return Bound(options, shapes, q, k, v, Operands(**fields), score_mod, mask_mod,
+                 block_mask)
+
+
+def _check_pairs(given: dict[str, Any], pair: tuple[str, str]) -> None:
+    """Both arguments of `pair` or neither."""
+    first, second = pair
+    if (given[first] is None) != (given[second] is None):
+        present, missing = (first, second) if given[second] is None else (second, first)
+        raise ValueError(f"{first} and {second} must be given together; got {present} but "
+                         f"{missing}=None")
 
 
 def as_float_array(name: str, x: ArrayLike) -> Array:
@@ -35,71 +135,65 @@ def check_qkv(q: ArrayLike, k: ArrayLike, v: ArrayLike) -> tuple[Array, Array, A
     return q, k, v, shapes_of(q, k, v)
 
 
-def _mask_like(name: str, x: ArrayLike | None, shapes: Shapes, kind, integer_only: bool):
-    if x is None:
-        return None
-    x = jnp.asarray(x) if not isinstance(x, jax.Array) else x
-    if integer_only:
-        if not jnp.issubdtype(x.dtype, jnp.integer):
-            raise TypeError(f"{name} must have an integer dtype; got {name}.dtype={x.dtype}")
-        x = x.astype(jnp.int32)
-    else:
-        if not (x.dtype == jnp.bool_ or jnp.issubdtype(x.dtype, jnp.integer)):
-            raise TypeError(
-                f"{name} must be boolean (or integer, non-zero attends); "
-                f"got {name}.dtype={x.dtype}"
-            )
-        x = x != 0 if x.dtype != jnp.bool_ else x
-    return mask_to_internal(x, shapes, kind, name)
+def bind_array(kind: Kind, name: str, x: ArrayLike, shapes: Shapes) -> Array:
+    """Argument `name` checked as its `kind` says (`_core.operands.Kind`) and brought
+    into the internal layout."""
+    return _BY_KIND[kind](name, x, shapes)
 
 
-def check_masks(
-    shapes: Shapes,
-    mask: ArrayLike | None,
-    attn_mask: ArrayLike | None,
-    q_segment_ids: ArrayLike | None,
-    kv_segment_ids: ArrayLike | None,
-) -> Masks:
-    if (q_segment_ids is None) != (kv_segment_ids is None):
-        given, missing = ("q_segment_ids", "kv_segment_ids")
-        if q_segment_ids is None:
-            given, missing = missing, given
+def _as_array(x: ArrayLike) -> Array:
+    return jnp.asarray(x) if not isinstance(x, jax.Array) else x
+
+
+def _boolean_mask(name: str, x: ArrayLike) -> Array:
+    x = _as_array(x)
+    if not (x.dtype == jnp.bool_ or jnp.issubdtype(x.dtype, jnp.integer)):
+        raise TypeError(f"{name} must be boolean (or integer, non-zero attends); "
+                        f"got {name}.dtype={x.dtype}")
+    return x != 0 if x.dtype != jnp.bool_ else x
+
+
+def _integer(name: str, x: ArrayLike) -> Array:
+    x = _as_array(x)
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"{name} must have an integer dtype; got {name}.dtype={x.dtype}")
+    return x.astype(jnp.int32)
+
+
+def _keys(name: str, x: ArrayLike, shapes: Shapes) -> Array:
+    return mask_to_internal(_boolean_mask(name, x), shapes, "keys", name)
+
+
+def _pairs(name: str, x: ArrayLike, shapes: Shapes) -> Array:
+    return mask_to_internal(_boolean_mask(name, x), shapes, "pairs", name)
+
+
+def _query_ids(name: str, x: ArrayLike, shapes: Shapes) -> Array:
+    return mask_to_internal(_integer(name, x), shapes, "queries", name)
+
+
+def _key_ids(name: str, x: ArrayLike, shapes: Shapes) -> Array:
+    return mask_to_internal(_integer(name, x), shapes, "keys", name)
+
+
+def _float_pairs(name: str, x: ArrayLike, shapes: Shapes) -> Array:
+    return mask_to_internal(as_float_array(name, x), shapes, "pairs", name)
+
+
+def _per_head(name: str, x: ArrayLike, shapes: Shapes) -> Array:
+    """`(heads,)` or `(*batch, heads)`, broadcastable to q's leading axes."""
+    arr = as_float_array(name, x)
+    lead = shapes.lead_shape if shapes.has_heads_axis else (1,)
+    if arr.ndim == 0 or arr.ndim > len(lead) or any(
+        a not in (1, b) for a, b in zip(arr.shape[::-1], lead[::-1], strict=False)
+    ) or arr.shape[-1] != lead[-1]:
         raise ValueError(
-            "q_segment_ids and kv_segment_ids must be given together; "
-            f"got {given} but {missing}=None"
+            f"{name} must have shape (heads,) or (*batch, heads) broadcastable to {lead}; "
+            f"got {name}.shape={arr.shape}"
         )
-    return Masks(
-        key_mask=_mask_like("mask", mask, shapes, "keys", integer_only=False),
-        pair_mask=_mask_like("attn_mask", attn_mask, shapes, "pairs", integer_only=False),
-        q_segment_ids=_mask_like("q_segment_ids", q_segment_ids, shapes, "queries", True),
-        kv_segment_ids=_mask_like("kv_segment_ids", kv_segment_ids, shapes, "keys", True),
-    )
-
-
-def check_score_mods(
-    shapes: Shapes, bias: ArrayLike | None, alibi_slopes: ArrayLike | None
-) -> ScoreMods:
-    """Bias and ALiBi slopes in the internal layout (floating, broadcastable to q's heads
-    and the logits)."""
-    if bias is not None:
-        bias = as_float_array("bias", bias)
-        bias = mask_to_internal(bias, shapes, "pairs", "bias")
-    if alibi_slopes is not None:
-        slopes = as_float_array("alibi_slopes", alibi_slopes)
-        lead = shapes.lead_shape if shapes.has_heads_axis else (1,)
-        if slopes.ndim == 0 or slopes.ndim > len(lead) or any(
-            a not in (1, b) for a, b in zip(slopes.shape[::-1], lead[::-1], strict=False)
-        ) or slopes.shape[-1] != lead[-1]:
-            raise ValueError(
-                f"alibi_slopes must have shape (heads,) or (*batch, heads) broadcastable to "
-                f"{lead}; got alibi_slopes.shape={slopes.shape}"
-            )
-        if shapes.has_heads_axis:
-            alibi_slopes = mask_to_internal(slopes[..., None, None], shapes, "pairs",
-                                            "alibi_slopes")
-        else:  # a bare (seq, dim) problem has one head
-            alibi_slopes = slopes.reshape(1, 1, 1, 1, 1)
-    return ScoreMods(bias, alibi_slopes)
+    if not shapes.has_heads_axis:  # a bare (seq, dim) problem has one head
+        return arr.reshape(1, 1, 1, 1, 1)
+    return mask_to_internal(arr[..., None, None], shapes, "pairs", name)
 
 
 def is_concrete(x: Array) -> bool:
@@ -110,11 +204,19 @@ def is_concrete(x: Array) -> bool:
     return True
 
 
-def _lengths(name: str, x: ArrayLike | None, shapes: Shapes, seq: int) -> Array | None:
-    """One lengths argument `(*batch,)` in the internal layout `(batch|1, 1, 1, 1, 1)`."""
-    if x is None:
-        return None
-    arr: Array = jnp.asarray(x) if not isinstance(x, jax.Array) else x
+def _query_lengths(name: str, x: ArrayLike, shapes: Shapes) -> Array:
+    return _lengths(name, x, shapes, shapes.seq_q)
+
+
+def _key_lengths(name: str, x: ArrayLike, shapes: Shapes) -> Array:
+    return _lengths(name, x, shapes, shapes.seq_k)
+
+
+def _lengths(name: str, x: ArrayLike, shapes: Shapes, seq: int) -> Array:
+    """`(*batch,)` (any leading axis 1 or missing) in the layout `(batch|1, 1, 1, 1, 1)`,
+    values in `[0, seq]`: a concrete value outside raises; a traced one is checked with
+    `eqx.error_if`."""
+    arr = _as_array(x)
     if not jnp.issubdtype(arr.dtype, jnp.integer):
         raise TypeError(f"{name} must have an integer dtype; got {name}.dtype={arr.dtype}")
     batch = shapes.batch_shape
@@ -139,16 +241,11 @@ def _lengths(name: str, x: ArrayLike | None, shapes: Shapes, seq: int) -> Array 
     return arr.reshape(-1 if arr.size > 1 else 1, 1, 1, 1, 1)
 
 
-def check_lengths(
-    shapes: Shapes, masks: Masks, q_lengths: ArrayLike | None, kv_lengths: ArrayLike | None
-) -> Masks:
-    """`masks` with the valid lengths added (checked: integer, `(*batch,)` broadcasting
-    against q's batch axes, values in `[0, seq]`; the value check is `eqx.error_if` under
-    `jax.jit`, an eager `ValueError` otherwise)."""
-    return masks._replace(
-        q_lengths=_lengths("q_lengths", q_lengths, shapes, shapes.seq_q),
-        kv_lengths=_lengths("kv_lengths", kv_lengths, shapes, shapes.seq_k),
-    )
+_BY_KIND: dict[str, Callable[[str, ArrayLike, Shapes], Array]] = {
+    "keys": _keys, "pairs": _pairs, "query_ids": _query_ids, "key_ids": _key_ids,
+    "query_lengths": _query_lengths, "key_lengths": _key_lengths,
+    "float_pairs": _float_pairs, "per_head": _per_head,
+}
 
 
 def check_dropout_key(rate: float, key: Any) -> Array | None:
@@ -173,3 +270,11 @@ def check_dropout_key(rate: float, key: Any) -> Array | None:
     if key.shape != ():
         raise ValueError(f"key must be a single (scalar) PRNG key; got key.shape={key.shape}")
     return key
+
+
+def refuse(entry: str, arguments: dict[str, Any], refused: dict[str, str]) -> None:
+    """`NotImplementedError` for an argument `entry` does not run, saying what to do
+    instead: `refused` maps each such argument to that advice."""
+    for name, instead in refused.items():
+        if arguments.get(name) is not None:
+            raise NotImplementedError(f"{entry} does not support {name}: {instead}")

@@ -1,13 +1,13 @@
-"""Public `flash_attention`: validation, layout, padding and derivative wiring.
+"""Public `flash_attention`: binding, layout, padding and derivative wiring.
 
-The path of one call: `make_options` checks the static options and `check_qkv` /
-`check_masks` the arrays (all before tracing); `kernel_config` resolves block sizes and
-scale; `_blockwise` (jitted) brings q, k, v and masks into the internal layout and pads
-them to whole blocks; `_attention_ad` runs `_forward.forward` under a `custom_jvp`
-(`_tangent.with_forward_mode`) whose tangent kernel transposes into the pure
-`_backward.backward` for reverse mode.
-The kernels see only padded arrays in the internal layout; this module is the only place
-that knows about the public shapes.
+The path of one call: `bind` checks every argument and brings the arrays into the
+internal layout as one `Operands` bundle (all before tracing); `prepare_kernels`
+resolves block sizes and scale into the `KernelConfig`, traces a `score_mod`/`mask_mod`
+at those block sizes and summarises a `mask_mod` per block pair; `_blockwise` (jitted)
+splits the heads, cleans rows that never attend, pads to whole blocks and runs the
+forward kernel under `with_custom_derivatives` (`_autodiff`), whose tangent is the
+tangent kernel and whose transpose, for reverse mode, the backward kernel. The
+kernels see only padded arrays in the internal layout.
 """
 
 import dataclasses
@@ -15,20 +15,20 @@ import functools
 from typing import Any, cast
 
 import jax
-import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, PRNGKeyArray, jaxtyped
 
-from .._api.binder import (
-    check_dropout_key,
-    check_lengths,
-    check_masks,
-    check_qkv,
-    check_score_mods,
-)
-from .._autodiff.derivatives import with_forward_mode
+from .._autodiff.derivatives import with_custom_derivatives
 from .._core.config import KernelConfig, decode_config, kernel_config, kernel_dtype, stat_dtype
-from .._core.options import make_options
+from .._core.operands import (
+    Operands,
+    combine,
+    constant_part,
+    differentiable_part,
+    pad_axis,
+    padded,
+    replace,
+)
 from .._core.shapes import Shapes, merge_heads, split_heads
 from .._core.types import (
     LSE,
@@ -52,68 +52,66 @@ from .._core.types import (
     WindowLike,
 )
 from .._kernels.forward import forward
-from .._kernels.split_k import decode_forward, reads_raw_cache
+from .._kernels.split_k import split_k_applies, split_k_forward
 from .._mods.block_mask import BlockMask, block_flags_for, derived_flags
-from .._mods.tracing import NO_FLEX, FlexArrays
-from .._mods.tracing import prepare as prepare_mods
-from .._semantics.masking import Masks, dropout_seed, valid_rows
-from .._semantics.score_terms import ScoreMods
+from .._mods.tracing import trace_mods
+from .._semantics.masking import valid_rows
+from .binder import Bound, bind
 
 
-def _forward(cfg: KernelConfig, q, k, v, mods: ScoreMods, masks: Masks, seed,
-             flex: FlexArrays = NO_FLEX):
-    """The forward kernel for `cfg`: flash-decoding when `cfg.splits > 1`
-    (`_config.decode_splits`) and there are no score terms, else the regular one."""
-    if reads_raw_cache(cfg, not mods.is_empty):
-        return decode_forward(cfg, q, k, v, masks, seed)
-    return forward(cfg, q, k, v, mods, masks, seed, flex)
+def _primal_kernel(cfg: KernelConfig, q, k, v, ops: Operands):
+    """The forward kernel for `cfg`: split-K (flash-decoding) where it applies
+    (`_core.config.decode_splits`), else the regular one."""
+    if split_k_applies(cfg, ops):
+        return split_k_forward(cfg, q, k, v, ops)
+    return forward(cfg, q, k, v, ops)
 
 
-# `score` is the score_mod's floating arrays (differentiable); `flex` its other arrays and
-# the mask_mod's, with `flex.score` left None.
-def _attention(cfg: KernelConfig, q, k, v, mods: ScoreMods, score, masks: Masks,
-               flex: FlexArrays, seed):
-    return _forward(cfg, q, k, v, mods, masks, seed, flex._replace(score=score))
+# Every derivative goes through this rule: forward mode runs the tangent kernel, reverse
+# mode its transpose, the backward kernel.
+_attention = with_custom_derivatives(_primal_kernel)
 
 
-# Every derivative goes through this custom_jvp (`_tangent`): its tangent is the tangent
-# kernel, and its transpose (reverse mode) the backward kernel, `_backward.backward`.
-_attention_ad = with_forward_mode(_attention)
+def prepare_kernels(bound: Bound) -> tuple[KernelConfig, Operands]:
+    """The kernels' configuration for `bound` and its operands with the modifications'
+    arrays and block summary added (`score_mod`/`mask_mod` are traced at the block
+    sizes; a call with them runs the regular kernels at those sizes)."""
+    shapes, ops = bound.shapes, bound.operands
+    cfg = dataclasses.replace(kernel_config(bound.options, shapes), lengths=ops.has_lengths)
+    mods, mod_ops = trace_mods(bound.score_mod, bound.mask_mod, shapes.heads, shapes.groups,
+                               cfg.block_q, cfg.block_k, stat_dtype(bound.q.dtype))
+    ops = combine(ops, mod_ops)
+    if bound.block_mask is not None:
+        ops = replace(ops, block_flags=block_flags_for(
+            bound.block_mask, bound.mask_mod, shapes, cfg.block_q, cfg.block_k))
+    elif bound.mask_mod is not None:
+        ops = replace(ops, block_flags=derived_flags(
+            bound.mask_mod, shapes, cfg.block_q, cfg.block_k))
+    cfg = decode_config(cfg) if mods is None else dataclasses.replace(cfg, mods=mods)
+    return cfg, ops
 
 
-def _pad_axis(x: Array | None, axis: int, size: int) -> Array | None:
-    if x is None or x.shape[axis] in (1, size):
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, widths)
+def attend(bound: Bound) -> tuple[Array, Array]:
+    """`(out, lse)` of a bound call, in the caller's layout."""
+    cfg, ops = prepare_kernels(bound)
+    return _blockwise(bound.q, bound.k, bound.v, ops, cfg=cfg, shapes=bound.shapes)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "shapes"))
-def _blockwise(
-    q, k, v, mods: ScoreMods, masks: Masks, seed, score, flex: FlexArrays, *,
-    cfg: KernelConfig, shapes: Shapes,
-):
+def _blockwise(q, k, v, ops: Operands, *, cfg: KernelConfig, shapes: Shapes):
     dtype = q.dtype
-    compute = kernel_dtype(dtype)
     q, k, v = split_heads(q, k, v, shapes)
-    if reads_raw_cache(cfg, not mods.is_empty):  # only the (few) queries need cleaning
-        q = valid_rows(q, k, v, masks, cfg.seq_q, cfg.seq_k, keys=False)[0]
+    if split_k_applies(cfg, ops):  # only the (few) queries need cleaning
+        q = valid_rows(q, k, v, ops, cfg.seq_q, cfg.seq_k, keys=False)[0]
     else:
-        q, k, v = valid_rows(q, k, v, masks, cfg.seq_q, cfg.seq_k)
-    q, k, v = (x.astype(compute) for x in (q, k, v))
-    seq_q_pad = -(-cfg.seq_q // cfg.block_q) * cfg.block_q
-    seq_k_pad = -(-cfg.seq_k // cfg.block_k) * cfg.block_k
-    q = _pad_axis(q, 3, seq_q_pad)
-    k, v = _pad_axis(k, 2, seq_k_pad), _pad_axis(v, 2, seq_k_pad)
-    flags = masks.block_flags  # per block already
-    masks, mods = jax.tree.map(
-        lambda m: _pad_axis(_pad_axis(m, -2, seq_q_pad), -1, seq_k_pad),
-        (masks._replace(block_flags=None), mods),
-    )
-    masks = masks._replace(block_flags=flags)
+        q, k, v = valid_rows(q, k, v, ops, cfg.seq_q, cfg.seq_k)
+    compute = kernel_dtype(dtype)
+    seq_q_pad, seq_k_pad = cfg.padded_seq
+    q = pad_axis(q.astype(compute), 3, seq_q_pad)
+    k, v = (pad_axis(x.astype(compute), 2, seq_k_pad) for x in (k, v))
+    ops = padded(ops, seq_q_pad, seq_k_pad)
     # `functools.partial(jax.custom_jvp, ...)` hides the return type from type checkers.
-    result = _attention_ad(cfg, q, k, v, mods, score, masks, flex, seed)
+    result = _attention(cfg, q, k, v, differentiable_part(ops), constant_part(ops))
     out, lse = cast(tuple[Array, Array], result)
     return merge_heads(out[..., : cfg.seq_q, :].astype(dtype), lse[..., : cfg.seq_q], shapes)
 
@@ -216,32 +214,8 @@ def flash_attention(
     entry point.
     JAX and NumPy arrays are accepted.
     """
-    options = make_options(
-        causal=causal, window=window, scale=scale, softcap=softcap, block_q=block_q,
-        block_k=block_k, dropout_rate=dropout_rate,
-    )
-    q, k, v, shapes = check_qkv(q, k, v)
-    masks = check_masks(shapes, mask, attn_mask, q_segment_ids, kv_segment_ids)
-    mods = check_score_mods(shapes, bias, alibi_slopes)
-    masks = check_lengths(shapes, masks, q_lengths, kv_lengths)
-    key = check_dropout_key(options.dropout_rate, key)
-    cfg = kernel_config(options, shapes)
-    cfg = dataclasses.replace(cfg, lengths=masks.has_lengths)
-    flex_cfg, flex = prepare_mods(score_mod, mask_mod, shapes.heads, shapes.groups,
-                                  cfg.block_q, cfg.block_k, stat_dtype(q.dtype))
-    if block_mask is not None:
-        masks = masks._replace(block_flags=block_flags_for(
-            block_mask, mask_mod, shapes, cfg.block_q, cfg.block_k))
-    elif mask_mod is not None:
-        masks = masks._replace(block_flags=derived_flags(
-            mask_mod, shapes, cfg.block_q, cfg.block_k))
-    if flex_cfg is None:
-        cfg = decode_config(cfg)
-    else:  # the regular kernels, at the block sizes the modifications were traced at
-        cfg = dataclasses.replace(cfg, flex=flex_cfg)
-    seed = None if key is None else dropout_seed(key)
-    return _blockwise(q, k, v, mods, masks, seed, flex.score, flex._replace(score=None),
-                      cfg=cfg, shapes=shapes)
+    bound = bind("flash_attention", **locals())  # every argument, checked in one place
+    return attend(bound)
 
 
 @jaxtyped(typechecker=beartype)

@@ -9,15 +9,7 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import PRNGKeyArray, jaxtyped
 
-from .._api.binder import (
-    check_dropout_key,
-    check_lengths,
-    check_masks,
-    check_qkv,
-    check_score_mods,
-)
 from .._core.config import stat_dtype
-from .._core.options import make_options
 from .._core.shapes import merge_heads, split_heads
 from .._core.types import (
     LSE,
@@ -41,11 +33,9 @@ from .._core.types import (
 )
 from .._mods.block_mask import BlockMask, block_flags_for
 from .._mods.tracing import block_probe, check_mask_mod, check_score_mod, grid_indices
+from .._semantics.dropout import dropout_keep, flat_head_index
 from .._semantics.masking import (
     data_mask,
-    dropout_keep,
-    dropout_seed,
-    flat_head_index,
     length_mask,
     lengths_or,
     positional_mask,
@@ -53,6 +43,7 @@ from .._semantics.masking import (
 )
 from .._semantics.score_terms import additive
 from .._semantics.softmax import finish
+from .binder import bind
 
 
 @jaxtyped(typechecker=beartype)
@@ -87,17 +78,12 @@ def plain_attention(
     `(batch, kv_heads, groups, seq_q, seq_k)` (`batch` flattened, query head
     `kv_head * groups + group`) and the index arrays broadcast against them. A
     `block_mask` is checked against the call's sizes, then not needed."""
-    options = make_options(
-        causal=causal, window=window, scale=scale, softcap=softcap, dropout_rate=dropout_rate
-    )
-    q, k, v, shapes = check_qkv(q, k, v)
-    masks = check_masks(shapes, mask, attn_mask, q_segment_ids, kv_segment_ids)
-    mods = check_score_mods(shapes, bias, alibi_slopes)
-    masks = check_lengths(shapes, masks, q_lengths, kv_lengths)
-    key = check_dropout_key(options.dropout_rate, key)
+    bound = bind("plain_attention", **locals())  # every argument, checked in one place
+    options, shapes, ops = bound.options, bound.shapes, bound.operands
+    q, k, v = bound.q, bound.k, bound.v
     stat = stat_dtype(q.dtype)
     b, h, g = shapes.batch, shapes.kv_heads, shapes.groups
-    q5, k4, v4 = valid_rows(*split_heads(q, k, v, shapes), masks, shapes.seq_q, shapes.seq_k)
+    q5, k4, v4 = valid_rows(*split_heads(q, k, v, shapes), ops, shapes.seq_q, shapes.seq_k)
     q5, k4, v4 = (x.astype(stat) for x in (q5, k4, v4))
     # Repeat kv heads over their query groups: (b, kv_heads, groups, seq_k, dim).
     k5 = jnp.broadcast_to(k4[:, :, None], (b, h, g, shapes.seq_k, shapes.dim))
@@ -106,7 +92,7 @@ def plain_attention(
     logits = jnp.einsum("bhgqd,bhgkd->bhgqk", q5, k5) * options.scale_for(shapes.dim)
     q_pos = jnp.arange(shapes.seq_q).reshape(1, 1, 1, -1, 1)
     k_pos = jnp.arange(shapes.seq_k).reshape(1, 1, 1, 1, -1)
-    add = additive(mods, 0, 0, q_pos, k_pos, shapes.seq_k - shapes.seq_q, shapes.seq_q,
+    add = additive(ops, 0, 0, q_pos, k_pos, shapes.seq_k - shapes.seq_q, shapes.seq_q,
                    shapes.seq_k, stat)
     if add is not None:
         logits = logits + add
@@ -117,14 +103,14 @@ def plain_attention(
     if options.softcap is not None:
         logits = options.softcap * jnp.tanh(logits / options.softcap)
 
-    if masks.has_lengths:  # the window aligns on the valid lengths
-        q_len, kv_len = lengths_or(masks, shapes.seq_q, shapes.seq_k)
+    if ops.has_lengths:  # the window aligns on the valid lengths
+        q_len, kv_len = lengths_or(ops, shapes.seq_q, shapes.seq_k)
         allowed = length_mask(q_pos, k_pos, q_len, kv_len, options.window)
     else:
         allowed = positional_mask(
             q_pos, k_pos, shapes.seq_k - shapes.seq_q, shapes.seq_k, options.window
         )
-    data = data_mask(masks, 0, 0, shapes.seq_q, shapes.seq_k)
+    data = data_mask(ops, 0, 0, shapes.seq_q, shapes.seq_k)
     if data is not None:
         allowed = allowed & data
     if block_mask is not None:  # checked as the kernels check it, then not needed
@@ -143,10 +129,10 @@ def plain_attention(
     # score_mod) would otherwise form -inf - -inf = NaN, poisoning every gradient.
     row_max = jax.lax.stop_gradient(jnp.maximum(row_max, floor))
     unnormalised = jnp.where(allowed, jnp.exp(jnp.where(allowed, logits, row_max) - row_max), 0.0)
-    if key is not None:
+    if ops.dropout_seed is not None:
         rate = options.dropout_rate
         heads = flat_head_index(jnp.arange(b)[:, None], jnp.arange(h)[None, :], h, g)
-        keep = dropout_keep(dropout_seed(key), heads, q_pos, k_pos, rate)
+        keep = dropout_keep(ops.dropout_seed, heads, q_pos, k_pos, rate)
         weights_v = jnp.where(keep, unnormalised / (1.0 - rate), 0.0)
     else:
         weights_v = unnormalised

@@ -6,13 +6,13 @@
 
 import dataclasses
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from .._core.options import AttentionOptions, Window
-from .._core.shapes import Shapes
-from .._mods.tracing import Flex
+from .options import AttentionOptions, Window
+from .shapes import Shapes
 
 # Tuned on a 2-core x86-64 CPU: benchmarks/tune_blocks.py, result in benchmarks/tune_blocks.md.
 # Long key blocks suit the backward pass (a key block's dk/dv stay in its loop's carry, and
@@ -37,8 +37,9 @@ def default_blocks(window: Window, groups: int = 1) -> tuple[int, int]:
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-    """Everything static about one kernel call, resolved; hashable, so it can be a
-    `custom_vjp` nondiff argument. `seq_q`/`seq_k` are the true (unpadded) lengths.
+    """Everything static about one kernel call, resolved; hashable, so it can be the
+    static argument of the derivative rules (`_autodiff`) and a `jax.jit` static
+    argument. `seq_q`/`seq_k` are the true (unpadded) lengths.
 
     Query row `i` sits at aligned position `p = i + diagonal_offset` (the window is around
     `p`); it is `seq_k - seq_q` (bottom-right) unless a caller such as the ring kernel
@@ -54,16 +55,18 @@ class KernelConfig:
     softcap: float | None = None
     dropout_rate: float = 0.0
     diagonal_offset: int | None = None  # None: seq_k - seq_q
-    # Variable lengths given: the window aligns on them at run time (`_masking.length_mask`),
-    # so the static band (`band_window`) is unbounded and run-time limits narrow it.
+    # Variable lengths given: the window aligns on them at run time
+    # (`_semantics.masking.length_mask`), so the static band (`band_window`) is unbounded
+    # and run-time limits narrow it.
     lengths: bool = False
     # Flash-decoding: > 1 splits the key blocks into this many parallel runs whose partial
-    # results are merged by their lse (`_decode`); 1 is the regular forward.
+    # results are merged by their lse (`_kernels.split_k`); 1 is the regular forward.
     splits: int = 1
-    # `score_mod`/`mask_mod` (`_mods`): their static parts; None without them.
-    flex: Flex | None = None
-    # With global positions in the score terms (`ScoreMods.q_positions`, ring attention):
-    # the global `seq_k - seq_q` that ALiBi aligns them with.
+    # The static parts of `score_mod`/`mask_mod` (a hashable `_mods.tracing.Mods`); None
+    # without them.
+    mods: Any = None
+    # With global indices among the operands (`Operands.q_index`, ring attention): the
+    # global `seq_k - seq_q` that ALiBi aligns them with.
     alibi_offset: int | None = None
 
     @property
@@ -72,8 +75,14 @@ class KernelConfig:
 
     @property
     def score_offset(self) -> int:
-        """The offset ALiBi aligns positions with (`_scores.alibi_distance`)."""
+        """The offset ALiBi aligns positions with (`_semantics.score_terms.alibi_distance`)."""
         return self.offset if self.alibi_offset is None else self.alibi_offset
+
+    @property
+    def padded_seq(self) -> tuple[int, int]:
+        """`(seq_q, seq_k)` rounded up to whole blocks: the kernels' array lengths."""
+        return (-(-self.seq_q // self.block_q) * self.block_q,
+                -(-self.seq_k // self.block_k) * self.block_k)
 
     @property
     def band_window(self) -> Window:
@@ -133,7 +142,7 @@ def stat_dtype(dtype) -> jnp.dtype:
     return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.float32)
 
 
-# Flash-decoding (`_decode`): a call with at most this many queries against at least
+# Flash-decoding (`_kernels.split_k`): a call with at most this many queries against at least
 # `DECODE_MIN_BLOCKS` key blocks splits its key blocks into parallel runs.
 DECODE_MAX_Q = 16
 DECODE_MIN_BLOCKS = 2

@@ -1,14 +1,17 @@
 """Global-array entry point for ring attention.
 
-`sharded_flash_attention` takes and returns global arrays: it reorders the sequence for
-the chosen layout, runs `ring_flash_attention` under `jax.shard_map` over the sequence
-mesh axis (batch and heads may be sharded over other axes at the same time), and
-restores the order.
+`sharded_flash_attention` takes and returns global arrays: it binds them, brings them
+into the internal layout, reorders the sequence for the chosen layout, runs the ring
+(`ring.ring_attention`) under `jax.shard_map` over the sequence mesh axis (batch and
+heads may be sharded over other axes at the same time), and restores the order. How
+each operand is sharded and reordered follows from its role on the ring
+(`ring_operands.role_of`).
 """
 
+import dataclasses
 import functools
-import math
 from collections.abc import Hashable
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -17,8 +20,10 @@ from beartype import beartype
 from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, jaxtyped
 
-from .._api.binder import check_lengths, check_masks, check_qkv, check_score_mods, is_concrete
-from .._core.options import AttentionOptions, make_options
+from .._api.binder import bind, is_concrete, refuse
+from .._core.operands import SHARED, Operands, layout_of, map_fields, replace
+from .._core.options import AttentionOptions
+from .._core.shapes import Shapes, merge_heads, split_heads
 from .._core.types import (
     LSE,
     AlibiSlopes,
@@ -38,8 +43,11 @@ from .._core.types import (
     Value,
     WindowLike,
 )
-from .._distributed.ring import refuse_on_ring, ring_attention
-from .._distributed.sequence_order import (
+from .._mods.block_mask import BlockMask
+from .._semantics.masking import lengths_or, valid_rows
+from .ring import Ring, ring_attention, ring_of
+from .ring_operands import role_of
+from .sequence_order import (
     Layout,
     check_layout,
     from_ring_layout,
@@ -47,15 +55,6 @@ from .._distributed.sequence_order import (
     to_ring_layout,
     zigzag_in_map,
 )
-from .._mods.block_mask import BlockMask
-from .._semantics.masking import Masks
-
-
-def _spec(ndim: int, placed: dict[int, Hashable | None]) -> PartitionSpec:
-    axes: list[Hashable | None] = [None] * ndim
-    for position, name in placed.items():
-        axes[position] = name
-    return PartitionSpec(*axes)
 
 
 @jaxtyped(typechecker=beartype)
@@ -120,32 +119,23 @@ def sharded_flash_attention(
     `alibi_slopes`/`bias` and causal/window/segment ids, or `ring_flash_attention` (which
     takes `score_mod`/`mask_mod`) inside your own `jax.shard_map`.
     """
-    for name, value in (("score_mod", score_mod), ("mask_mod", mask_mod),
-                        ("block_mask", block_mask)):
-        refuse_on_ring(
-            "sharded_flash_attention", name, value,
-            "call ring_flash_attention inside your own jax.shard_map (it takes score_mod "
-            "and mask_mod, at global positions), or use alibi_slopes=/bias= for score "
-            "terms and causal=, window=, a key mask or segment ids for masks",
-        )
-    options = make_options(
-        causal=causal, window=window, scale=scale, softcap=softcap, block_q=block_q,
-        block_k=block_k,
-    )
+    arguments = locals()
+    refuse("sharded_flash_attention", arguments, {name: (
+        "call ring_flash_attention inside your own jax.shard_map (it takes score_mod "
+        "and mask_mod, at global positions), or use alibi_slopes=/bias= for score "
+        "terms and causal=, window=, a key mask or segment ids for masks")
+        for name in ("score_mod", "mask_mod", "block_mask")})
     if layout is not None:
         check_layout(layout)
-    q, k, v, shapes = check_qkv(q, k, v)
-    check_masks(shapes, mask, None, q_segment_ids, kv_segment_ids)  # clear shape errors
-    check_score_mods(shapes, bias, alibi_slopes)
-    if q_lengths is not None or kv_lengths is not None:
-        q, k, v, q_segment_ids, kv_segment_ids = _lengths_as_segment_ids(
-            shapes, options, q, k, v, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids
-        )
+    for name in ("mesh", "seq_axis", "batch_axis", "head_axis", "layout"):
+        del arguments[name]
+    bound = bind("sharded_flash_attention", **arguments)
+    shapes = bound.shapes
     if seq_axis not in mesh.shape:
         raise ValueError(f"seq_axis={seq_axis!r} is not an axis of the mesh {dict(mesh.shape)}")
     n = mesh.shape[seq_axis]
     if layout is None:
-        balanced = n > 1 and not options.window.is_unbounded
+        balanced = n > 1 and not bound.options.window.is_unbounded
         fits = shapes.seq_q % (2 * n) == 0 and shapes.seq_k % (2 * n) == 0
         layout = "zigzag" if balanced and fits else "contiguous"
     for seq in (shapes.seq_q, shapes.seq_k):
@@ -154,32 +144,15 @@ def sharded_flash_attention(
         raise ValueError(f"batch_axis={batch_axis!r} needs a batch axis; got q.shape={q.shape}")
     if head_axis is not None and not shapes.has_heads_axis:
         raise ValueError(f"head_axis={head_axis!r} needs a heads axis; got q.shape={q.shape}")
-    extras = {}
-    for name, x, seq in (
-        ("mask", mask, shapes.seq_k),
-        ("q_segment_ids", q_segment_ids, shapes.seq_q),
-        ("kv_segment_ids", kv_segment_ids, shapes.seq_k),
-    ):
-        if x is None:
-            continue
-        x = jnp.asarray(x)
-        # Broadcast to (*batch, [heads,] seq) so every mesh axis splits a real axis.
-        with_heads = shapes.has_heads_axis and x.ndim == q.ndim - 1
-        lead = shapes.lead_shape if with_heads else shapes.batch_shape
-        extras[name] = jnp.broadcast_to(x, (*lead, seq))
-    if bias is not None:
-        # Leading axes filled out to q's, so that batch and heads shard by position.
-        bias = jnp.asarray(bias)
-        extras["bias"] = bias.reshape((1,) * (q.ndim - bias.ndim) + bias.shape)
-    if alibi_slopes is not None:
-        slopes = jnp.asarray(alibi_slopes)
-        extras["alibi_slopes"] = (
-            jnp.broadcast_to(slopes, shapes.lead_shape) if shapes.has_heads_axis else slopes
-        )
-    return _sharded(
-        q, k, v, extras, mesh=mesh, seq_axis=seq_axis, batch_axis=batch_axis,
-        head_axis=head_axis, layout=layout, options=options,
-    )
+    q5, k4, v4 = split_heads(bound.q, bound.k, bound.v, shapes)
+    ops = bound.operands
+    if ops.has_lengths:
+        q5, k4, v4, ops = _lengths_as_segment_ids(shapes, bound.options, q5, k4, v4, ops)
+    local = dataclasses.replace(shapes, seq_q=shapes.seq_q // n, seq_k=shapes.seq_k // n)
+    ring, _ = ring_of(bound, seq_axis, n, layout, local=local)
+    out, lse = _sharded(q5, k4, v4, ops, ring=ring, mesh=mesh, batch_axis=batch_axis,
+                        head_axis=head_axis)
+    return merge_heads(out, lse, shapes)
 
 
 # Segment ids of padding: no valid row has them, and a padded query's is not a padded key's.
@@ -187,167 +160,125 @@ PADDED_QUERY_ID = jnp.iinfo(jnp.int32).min
 PADDED_KEY_ID = jnp.iinfo(jnp.int32).min + 1
 
 
-def _lengths_as_segment_ids(shapes, options, q, k, v, q_lengths, kv_lengths, q_ids, kv_ids):
+def _lengths_as_segment_ids(shapes: Shapes, options: AttentionOptions, q, k, v,
+                            ops: Operands) -> tuple[Array, Array, Array, Operands]:
     """Valid lengths as segment ids the ring already carries, with the padded rows of q,
-    k, v zeroed (`_masking.valid_rows`'s guarantee: NaN padding reaches nothing)."""
-    masks = check_lengths(shapes, Masks(), q_lengths, kv_lengths)
-    batch = shapes.batch_shape
-
-    def per_element(length: Array | None, seq: int) -> Array:
-        # (batch|1, 1, 1, 1, 1) -> (*batch,) (or () without batch axes)
-        if length is None:
-            return jnp.full(batch, seq, jnp.int32)
-        return jnp.broadcast_to(length.reshape(-1), (math.prod(batch),)).reshape(batch)
-
-    q_len = per_element(masks.q_lengths, shapes.seq_q)
-    kv_len = per_element(masks.kv_lengths, shapes.seq_k)
+    k, v zeroed (`valid_rows`: NaN padding reaches nothing). Internal layout."""
+    q_len, kv_len = lengths_or(ops, shapes.seq_q, shapes.seq_k)
     if not options.window.is_unbounded:  # causal too: the ring aligns on the global lengths
         offset = shapes.seq_k - shapes.seq_q
         message = (
             f"sharded_flash_attention with causal/window needs kv_lengths - q_lengths == "
             f"seq_k - seq_q = {offset} (the ring aligns the diagonal on the global sequence)"
         )
-        bad = jnp.any(kv_len - q_len != offset)
+        bad = jnp.any(jnp.asarray(kv_len) - jnp.asarray(q_len) != offset)
         if not is_concrete(bad):
-            q_len = eqx.error_if(q_len, bad, message)
+            q = eqx.error_if(q, bad, message)
         elif bool(bad):
             raise ValueError(message)
-    q_valid = jnp.arange(shapes.seq_q) < q_len[..., None]  # (*batch, seq_q)
-    k_valid = jnp.arange(shapes.seq_k) < kv_len[..., None]
+    q, k, v = valid_rows(q, k, v, ops, shapes.seq_q, shapes.seq_k)
+    q_valid = jnp.arange(shapes.seq_q).reshape(1, 1, 1, -1, 1) < q_len
+    k_valid = jnp.arange(shapes.seq_k).reshape(1, 1, 1, 1, -1) < kv_len
 
-    def rows(x: Array, valid: Array) -> Array:  # zero the padded rows of (*lead, seq, dim)
-        if shapes.has_heads_axis:
-            valid = valid[..., None, :]
-        return jnp.where(valid[..., None], x, jnp.zeros((), x.dtype))
-
-    def ids(given, valid: Array, padded: int) -> Array:
-        if given is not None:
-            given = jnp.asarray(given)
-            if shapes.has_heads_axis and given.ndim == q.ndim - 1:
-                valid = valid[..., None, :]
-        base = jnp.zeros((), jnp.int32) if given is None else given.astype(jnp.int32)
+    def ids(given: Array | None, valid: Array, padded: int) -> Array:
+        base = jnp.zeros((1,) * 5, jnp.int32) if given is None else given
         return jnp.where(valid, base, jnp.asarray(padded, jnp.int32))
 
-    return (rows(q, q_valid), rows(k, k_valid), rows(v, k_valid),
-            ids(q_ids, q_valid, PADDED_QUERY_ID), ids(kv_ids, k_valid, PADDED_KEY_ID))
+    ops = replace(ops, q_lengths=None, kv_lengths=None,
+                  q_segment_ids=ids(ops.q_segment_ids, q_valid, PADDED_QUERY_ID),
+                  kv_segment_ids=ids(ops.kv_segment_ids, k_valid, PADDED_KEY_ID))
+    return q, k, v, ops
 
 
-# Extras not reordered along their last axis as the sequence is (`_sharded`).
-_ARRANGED_OUTSIDE = ("bias", "alibi_slopes")
+def _sequence_axes(name: str, x: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """`(sharded, in ring order)`: the axes of operand `name` split over the ring's
+    devices, and those arranged in ring order (`ring_operands.role_of`: the rows of a
+    device and its travelling keys are sharded; a `"columns"` operand holds every key,
+    in ring order)."""
+    role = role_of(name, x)
+    if role == "rows":
+        return (3,), (3,)
+    if role == "travelling":
+        return (4,), (4,)
+    if role == "columns":
+        rows = (3,) if x.shape[3] != 1 else ()
+        return rows, (*rows, 4)
+    return (), ()
 
 
-def _bias_spec(bias: Array, seq_axis: str, batch_axis: str | None, head_axis: str | None,
-               with_heads: bool) -> PartitionSpec:
-    """Bias (q's number of axes) sharded by query rows, and by batch and heads where it
-    has those axes (size-1 axes broadcast, so they are replicated)."""
-    placed: dict[int, Hashable | None] = {}
-    if bias.shape[-2] != 1:
-        placed[bias.ndim - 2] = seq_axis
-    if batch_axis is not None and bias.shape[0] != 1:
-        placed[0] = batch_axis
-    if with_heads and head_axis is not None and bias.shape[-3] != 1:
-        placed[bias.ndim - 3] = head_axis
-    return _spec(bias.ndim, placed)
+def _operand_specs(ops: Operands, seq_axis: Hashable, batch_axis: Hashable | None,
+                   head_axis: Hashable | None) -> Operands:
+    """Each operand's `PartitionSpec` (batch and heads axes where it has them)."""
+
+    def spec(name: str, x: Any) -> Any:
+        if layout_of(name) == SHARED:
+            return jax.tree.map(lambda _: PartitionSpec(), x)
+        axes: list[Hashable | None] = [None] * 5
+        if batch_axis is not None and x.shape[0] != 1:
+            axes[0] = batch_axis
+        if head_axis is not None and x.shape[1] != 1:
+            axes[1] = head_axis
+        for axis in _sequence_axes(name, x)[0]:
+            axes[axis] = seq_axis
+        return PartitionSpec(*axes)
+
+    return map_fields(spec, ops)
 
 
-def _slopes_spec(slopes: Array, batch_axis: str | None, head_axis: str | None,
-                 with_heads: bool) -> PartitionSpec:
-    """ALiBi slopes `(*batch, heads)`, replicated along the ring."""
-    placed: dict[int, Hashable | None] = {}
-    if with_heads and batch_axis is not None and slopes.ndim > 1:
-        placed[0] = batch_axis
-    if with_heads and head_axis is not None:
-        placed[slopes.ndim - 1] = head_axis
-    return _spec(slopes.ndim, placed)
-
-
-@functools.partial(
-    jax.jit,
-    static_argnames=("mesh", "seq_axis", "batch_axis", "head_axis", "layout", "options"),
-)
-def _sharded(
-    q, k, v, extras, *, mesh, seq_axis, batch_axis, head_axis, layout,
-    options: AttentionOptions,
-):
-    n = mesh.shape[seq_axis]
-
-    def spec(x: Array, with_heads: bool) -> PartitionSpec:
-        placed = {x.ndim - 1: seq_axis}
-        if batch_axis is not None:
-            placed[0] = batch_axis
-        if with_heads and head_axis is not None:
-            placed[x.ndim - 2] = head_axis
-        return _spec(x.ndim, placed)
-
-    qkv_specs = []
-    for x in (q, k, v):
-        placed = {x.ndim - 2: seq_axis}
-        if batch_axis is not None:
-            placed[0] = batch_axis
-        if head_axis is not None:
-            placed[x.ndim - 3] = head_axis
-        qkv_specs.append(_spec(x.ndim, placed))
-    extra_specs = {
-        name: spec(x, with_heads=x.ndim == q.ndim - 1) for name, x in extras.items()
-        if name not in ("bias", "alibi_slopes")
-    }
-    if "bias" in extras:
-        extra_specs["bias"] = _bias_spec(extras["bias"], seq_axis, batch_axis, head_axis,
-                                         with_heads=q.ndim > 2)
-    if "alibi_slopes" in extras:
-        extra_specs["alibi_slopes"] = _slopes_spec(extras["alibi_slopes"], batch_axis,
-                                                   head_axis, with_heads=q.ndim > 2)
-    lse_spec = PartitionSpec(*qkv_specs[0][:-1])
-
+@functools.partial(jax.jit, static_argnames=("ring", "mesh", "batch_axis", "head_axis"))
+def _sharded(q, k, v, ops: Operands, *, ring: Ring, mesh: Mesh, batch_axis, head_axis):
+    n, layout, seq_axis = ring.num_devices, ring.layout, ring.axis_name
+    q_spec = PartitionSpec(batch_axis, head_axis, None, seq_axis, None)
+    kv_spec = PartitionSpec(batch_axis, head_axis, seq_axis, None)
+    lse_spec = PartitionSpec(batch_axis, head_axis, None, seq_axis)
     # Zigzag is reached from contiguous shards by moving whole chunks between devices
     # inside the map (two ppermutes); striped needs a token-level shuffle, left to XLA.
+    # The key columns of a "columns" operand are in ring order whatever the layout.
     in_map = layout == "zigzag"
 
-    def local(q, k, v, extras):
+    def arrange(x: Array, axis: int, inverse: bool = False) -> Array:
+        """The sequence axis `axis` of q, k, v, out or lse in ring order (or back)."""
         if in_map:
-            q, k, v = (zigzag_in_map(x, seq_axis, n, x.ndim - 2, inverse=False)
-                       for x in (q, k, v))
-            extras = {
-                name: x if name in _ARRANGED_OUTSIDE else
-                zigzag_in_map(x, seq_axis, n, x.ndim - 1, inverse=False)
-                for name, x in extras.items()
-            }
-        out, lse = ring_attention(
-            q, k, v, extras.get("mask"), extras.get("q_segment_ids"),
-            extras.get("kv_segment_ids"), extras.get("bias"), extras.get("alibi_slopes"),
-            axis_name=seq_axis, layout=layout, options=options,
-        )
+            return zigzag_in_map(x, seq_axis, n, axis, inverse=inverse)
+        move = from_ring_layout if inverse else to_ring_layout
+        return move(x, num_devices=n, layout=layout, axis=axis)
+
+    def outside(name: str, x: Any) -> Any:
+        """An operand's sequence axes in ring order, before it is sharded."""
+        if layout_of(name) == SHARED or (in_map and role_of(name, x) != "columns"):
+            return x
+        for axis in _sequence_axes(name, x)[1]:
+            x = to_ring_layout(x, num_devices=n, layout=layout, axis=axis)
+        return x
+
+    def inside(name: str, x: Any) -> Any:
+        """Zigzag: an operand's sharded axes reordered as q's are, inside the map."""
+        if layout_of(name) == SHARED or role_of(name, x) == "columns":
+            return x
+        for axis in _sequence_axes(name, x)[0]:
+            x = zigzag_in_map(x, seq_axis, n, axis, inverse=False)
+        return x
+
+    def local(q, k, v, ops):
         if in_map:
-            out = zigzag_in_map(out, seq_axis, n, out.ndim - 2, inverse=True)
-            lse = zigzag_in_map(lse, seq_axis, n, lse.ndim - 1, inverse=True)
+            q, k, v = arrange(q, 3), arrange(k, 2), arrange(v, 2)
+            ops = map_fields(inside, ops)
+        out, lse = ring_attention(ring, q, k, v, ops)
+        if in_map:
+            out, lse = arrange(out, 3, inverse=True), arrange(lse, 3, inverse=True)
         return out, lse
 
-    ring = jax.shard_map(
-        local,
-        mesh=mesh,
-        in_specs=(*qkv_specs, extra_specs),
-        out_specs=(qkv_specs[0], lse_spec),
+    sharded = jax.shard_map(
+        local, mesh=mesh,
+        in_specs=(q_spec, kv_spec, kv_spec, _operand_specs(ops, seq_axis, batch_axis,
+                                                           head_axis)),
+        out_specs=(q_spec, lse_spec),
         # The blockwise kernels create unsharded accumulators; see ring_flash_attention.
         check_vma=False,
     )
-
-    def arrange(x: Array, axis: int) -> Array:
-        return to_ring_layout(x, num_devices=n, layout=layout, axis=axis)
-
-    if "bias" in extras:
-        # Rows and columns in ring order, whatever the layout: the rows are sharded like
-        # the queries and each device slices the columns of the visiting keys.
-        bias = extras["bias"]
-        for axis in (-2, -1):
-            bias = bias if bias.shape[axis] == 1 else arrange(bias, axis)
-        extras = {**extras, "bias": bias}
+    ops = map_fields(outside, ops)
     if in_map:
-        return ring(q, k, v, extras)
-
-    q, k, v = arrange(q, -2), arrange(k, -2), arrange(v, -2)
-    out, lse = ring(q, k, v, {name: x if name in _ARRANGED_OUTSIDE else arrange(x, -1)
-                              for name, x in extras.items()})
-    return (
-        from_ring_layout(out, num_devices=n, layout=layout, axis=-2),
-        from_ring_layout(lse, num_devices=n, layout=layout, axis=-1),
-    )
+        return sharded(q, k, v, ops)
+    q, k, v = arrange(q, 3), arrange(k, 2), arrange(v, 2)
+    out, lse = sharded(q, k, v, ops)
+    return arrange(out, 3, inverse=True), arrange(lse, 3, inverse=True)

@@ -12,22 +12,23 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from .._semantics.masking import Masks, flat_head_index
-from .._semantics.score_terms import ScoreMods
+from .._core.operands import Operands, combine, per_head_part
+from .._semantics.dropout import flat_head_index
 
 
 class Head(NamedTuple):
     """What one kv head's kernel sees besides its q, k, v slices."""
 
-    masks: Masks  # each `(groups|1, seq_q|1, seq_k|1)`
-    mods: ScoreMods  # likewise
-    head_ids: Array  # flat q-head index of each group, `(groups, 1, 1)` (for dropout)
-    d_mods: ScoreMods = ScoreMods()  # tangents of `mods` (forward mode), shaped likewise
+    # The call's operands, the per-head ones sliced: `GRID` fields `(groups|1, seq_q|1,
+    # seq_k|1)`, `BLOCKS` fields `(1, num_q, num_k)`; `SHARED` ones whole.
+    operands: Operands
+    head_ids: Array  # flat q-head index of each group, `(groups, 1, 1)`
+    # Forward mode: tangents of the differentiable operands, shaped as `operands` (None
+    # where zero).
+    tangents: Operands | None = None
 
 
 HeadKernel = Callable[..., Any]  # (head, per-head arrays[, Rows of the whole arrays])
-# Masks and score terms, and in forward mode the score terms' tangents.
-Shared = tuple[Masks, ScoreMods] | tuple[Masks, ScoreMods, ScoreMods]
 
 
 class Rows(NamedTuple):
@@ -52,12 +53,14 @@ class Rows(NamedTuple):
 
 
 def per_head(
-    fn: HeadKernel, shared: Shared, arrays: tuple[Array, ...], whole: tuple[Array, ...] = ()
+    fn: HeadKernel, operands: Operands, arrays: tuple[Array, ...],
+    whole: tuple[Array, ...] = (), tangents: Operands | None = None,
 ) -> Any:
     """Map `fn(head, per_head_arrays)` over the `(batch, kv_heads)` axes of `arrays`
-    (all have them first); results are stacked back on those axes. `shared` (masks and
-    score terms) have those axes too, or size 1 where they broadcast. Arrays in `whole`
-    reach `fn` as a third argument, one `Rows` each, instead of being sliced per head.
+    (all have them first); results are stacked back on those axes. The per-head operands
+    (and their `tangents`) have those axes too, or size 1 where they broadcast; the
+    `SHARED` ones reach every head whole. Arrays in `whole` reach `fn` as a third
+    argument, one `Rows` each, instead of being sliced per head.
 
     On one device, a `lax.map` loop: 2-d block matmuls, the fastest form on CPU. With
     several devices the batch or heads axis may be sharded, and a loop over a sharded axis
@@ -66,10 +69,13 @@ def per_head(
     """
     batch, kv_heads = arrays[0].shape[:2]
     groups = arrays[0].shape[2] if arrays[0].ndim == 5 else 1
+    sliced, shared = per_head_part(operands)
+    d_sliced, d_shared = per_head_part(Operands() if tangents is None else tangents)
 
-    def one(b: Array, h: Array, xs: tuple[Array, ...], shared_bh: Shared) -> Any:
-        masks_bh, mods_bh, *d_mods_bh = shared_bh
-        head = Head(masks_bh, mods_bh, flat_head_index(b, h, kv_heads, groups), *d_mods_bh)
+    def one(b: Array, h: Array, xs: tuple[Array, ...], ops_bh: Operands,
+            d_ops_bh: Operands) -> Any:
+        head = Head(combine(ops_bh, shared), flat_head_index(b, h, kv_heads, groups),
+                    None if tangents is None else combine(d_ops_bh, d_shared))
         if not whole:
             return fn(head, xs)
         if len(xs) > len(arrays):  # vmapped: the whole arrays came sliced per head
@@ -77,7 +83,7 @@ def per_head(
         return fn(head, xs, tuple(Rows(x, b, h) for x in whole))
 
     if jax.device_count() > 1:
-        return _vmapped(one, shared, arrays + whole)
+        return _vmapped(one, (sliced, d_sliced), arrays + whole)
     flat = tuple(x.reshape(batch * kv_heads, *x.shape[2:]) for x in arrays)
 
     def take(m: Array, b: Array, h: Array) -> Array:
@@ -87,33 +93,34 @@ def per_head(
     def looped(args):
         n, xs = args
         b, h = n // kv_heads, n % kv_heads
-        return one(b, h, xs, jax.tree.map(lambda m: take(m, b, h), shared))
+        ops_bh, d_ops_bh = jax.tree.map(lambda m: take(m, b, h), (sliced, d_sliced))
+        return one(b, h, xs, ops_bh, d_ops_bh)
 
     out = jax.lax.map(looped, (jnp.arange(batch * kv_heads, dtype=jnp.int32), flat))
     return jax.tree.map(lambda y: y.reshape(batch, kv_heads, *y.shape[1:]), out)
 
 
-def _vmapped(one: Callable[..., Any], shared: Shared, arrays: tuple[Array, ...]) -> Any:
-    """`per_head` as two nested `vmap`s; arrays in `shared` with a size-1 leading axis are
-    the same for every index (squeezed, not mapped over)."""
+def _vmapped(one: Callable[..., Any], per_head_ops: Any, arrays: tuple[Array, ...]) -> Any:
+    """`per_head` as two nested `vmap`s; operands with a size-1 leading axis are the same
+    for every index (squeezed, not mapped over)."""
     batch, kv_heads = arrays[0].shape[:2]
 
-    def split(tree: Shared) -> tuple[Shared, Shared]:
+    def split(tree: Any) -> tuple[Any, Any]:
         mapped = jax.tree.map(lambda m: None if m.shape[0] == 1 else m, tree)
         common = jax.tree.map(lambda m: m[0] if m.shape[0] == 1 else None, tree)
         return mapped, common
 
-    def merge(mapped: Shared, common: Shared) -> Shared:
+    def merge(mapped: Any, common: Any) -> Any:
         return jax.tree.map(lambda a, b: a if a is not None else b, mapped, common,
                             is_leaf=lambda x: x is None)
 
-    def one_batch(b, xs, shared_b):
-        mapped, common = split(shared_b)
-        return jax.vmap(lambda h, xs, m: one(b, h, xs, merge(m, common)))(
+    def one_batch(b, xs, ops_b):
+        mapped, common = split(ops_b)
+        return jax.vmap(lambda h, xs, m: one(b, h, xs, *merge(m, common)))(
             jnp.arange(kv_heads, dtype=jnp.int32), xs, mapped
         )
 
-    mapped, common = split(shared)
+    mapped, common = split(per_head_ops)
     return jax.vmap(lambda b, xs, m: one_batch(b, xs, merge(m, common)))(
         jnp.arange(batch, dtype=jnp.int32), arrays, mapped
     )

@@ -17,9 +17,10 @@ import numpy as np
 from jaxtyping import Array
 
 from .._core.config import KernelConfig
+from .._core.operands import Operands
 from .._core.options import Window
 from .._mods.block_mask import EMPTY, FULL
-from .._semantics.masking import Masks, lengths_or
+from .._semantics.masking import lengths_or
 
 
 class Schedule(NamedTuple):
@@ -90,19 +91,17 @@ def _bands(nonempty: np.ndarray, full: np.ndarray) -> Bands:
     return Bands(*(x.astype(np.int32) for x in (lo, full_lo, full_hi, hi)))
 
 
-def band_ranges(
-    seq_q: int, seq_k: int, block_q: int, block_k: int, window: Window, offset: int,
-    by: str,
-) -> Bands:
+def band_ranges(cfg: KernelConfig, by: str) -> Bands:
     """Key-block ranges per query block (`by="q"`) or query-block ranges per key block
-    (`by="k"`)."""
-    nonempty, full = _pair_flags(seq_q, seq_k, block_q, block_k, window, offset)
+    (`by="k"`) of the static band of `cfg`."""
+    nonempty, full = _pair_flags(cfg.seq_q, cfg.seq_k, cfg.block_q, cfg.block_k,
+                                 cfg.band_window, cfg.offset)
     if by == "k":
         nonempty, full = nonempty.T, full.T
     return _bands(nonempty, full)
 
 
-def segment_limits(cfg: KernelConfig, masks: Masks, by: str) -> tuple[Array, Array] | None:
+def segment_limits(cfg: KernelConfig, ops: Operands, by: str) -> tuple[Array, Array] | None:
     """Per outer block, the inner blocks `[lo, hi)` that segment ids can let attend
     (None without segment ids): a run-time refinement of the static band.
 
@@ -111,7 +110,7 @@ def segment_limits(cfg: KernelConfig, masks: Masks, by: str) -> tuple[Array, Arr
     documents, and work grows with document sizes rather than with seq². The test is
     necessary, not sufficient (unsorted ids give a superset); the mask decides exactly.
     """
-    qs, ks = masks.q_segment_ids, masks.kv_segment_ids
+    qs, ks = ops.q_segment_ids, ops.kv_segment_ids
     if qs is None or ks is None or qs.shape[-2] == 1 or ks.shape[-1] == 1:
         return None
 
@@ -140,27 +139,27 @@ def _interval(pairs: Array) -> tuple[Array, Array]:
     return lo, hi
 
 
-def oriented_flags(masks: Masks, by: str) -> Array | None:
-    """One head's `block_mask` flags (`masks.block_flags`, `(1, num_q, num_k)`) as
+def oriented_flags(ops: Operands, by: str) -> Array | None:
+    """One head's `block_mask` flags (`ops.block_flags`, `(1, num_q, num_k)`) as
     `[n_outer, n_inner]` for a loop `by` query (`"q"`) or key (`"k"`) blocks; None
     without one."""
-    flags = masks.block_flags
+    flags = ops.block_flags
     if flags is None:
         return None
     flags = flags.reshape(flags.shape[-2:])
     return flags.T if by == "k" else flags
 
 
-def length_limits(cfg: KernelConfig, masks: Masks, by: str) -> tuple[Array, Array] | None:
+def length_limits(cfg: KernelConfig, ops: Operands, by: str) -> tuple[Array, Array] | None:
     """Per outer block, the inner blocks `[lo, hi)` that the valid lengths (and the window
     aligned on them, `_masking.length_mask`) let attend; None without lengths. Exact at
     block granularity: key blocks wholly past `kv_len` and query blocks wholly past `q_len`
-    are never visited, so a padded batch costs its real lengths. `masks` are one head's
-    (`_heads.Head`), lengths `(1, 1, 1)`."""
-    if not masks.has_lengths:
+    are never visited, so a padded batch costs its real lengths. `ops` are one head's
+    (`heads.Head`), lengths `(1, 1, 1)`."""
+    if not ops.has_lengths:
         return None
     q_len, kv_len = (jnp.asarray(x, jnp.int32).reshape(())
-                     for x in lengths_or(masks, cfg.seq_q, cfg.seq_k))
+                     for x in lengths_or(ops, cfg.seq_q, cfg.seq_k))
     left, right = cfg.window.left, cfg.window.right
     offset = kv_len - q_len
     bq, bk = cfg.block_q, cfg.block_k
@@ -192,12 +191,12 @@ class Limits(NamedTuple):
     flags: Array | None = None
 
 
-def run_limits(cfg: KernelConfig, masks: Masks, by: str) -> Limits | None:
+def run_limits(cfg: KernelConfig, ops: Operands, by: str) -> Limits | None:
     """`segment_limits` and `length_limits` intersected, with the `block_mask`'s flags
     (None when none applies)."""
-    found = [x for x in (segment_limits(cfg, masks, by), length_limits(cfg, masks, by))
+    found = [x for x in (segment_limits(cfg, ops, by), length_limits(cfg, ops, by))
              if x is not None]
-    flags = oriented_flags(masks, by)
+    flags = oriented_flags(ops, by)
     if not found:
         if flags is None:
             return None

@@ -5,10 +5,10 @@ The regular forward walks a query block's key blocks one after another: with one
 few queries, a long chain of tiny products. Here each loop step takes `splits`
 consecutive key blocks at once (one contiguous slice of K and V, one wide product), and
 lane `p` keeps its own online-softmax state over blocks `p, p + splits, ...`: the lanes are
-the split-K partial results, merged at the end by `_softmax.merge_all`. The loop runs
+the split-K partial results, merged at the end by `softmax.merge_all`. The loop runs
 over the rounds that the run-time limits leave (lengths, segment ids, the band), so a
 long, mostly empty cache costs its valid part. Same inputs and outputs as
-`_forward.forward`; the backward pass is the regular `_backward.backward`.
+`forward.forward`; the backward pass is the regular `backward.backward`.
 """
 
 import dataclasses
@@ -19,53 +19,46 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from .._core.config import KernelConfig, stat_dtype
-from .._kernels.heads import Head, Rows, per_head
-from .._kernels.schedule import band_ranges, run_limits
-from .._kernels.tile import allowed, dropout_multiplier, logits, rows, scaled
-from .._semantics import softmax as _softmax
-from .._semantics.masking import Masks
-from .._semantics.score_terms import ScoreMods
+from .._core.operands import Operands, padded
+from .._semantics import softmax
+from .heads import Head, Rows, per_head
+from .schedule import band_ranges, run_limits
+from .tile import allowed, dropout_multiplier, logits, rows, scaled, unscan
 
 
-def reads_raw_cache(cfg: KernelConfig, has_score_terms: bool) -> bool:
-    """Whether the forward is this kernel (no score terms, score_mod or mask_mod), which
-    copes with garbage (NaN) in the keys and values that nothing attends, so the caller
-    need not clean K and V first: for one decoding step that clean-up pass would cost
-    more than the attention itself. (Under differentiation they are cleaned all the
-    same: `_tangent.with_forward_mode`.)"""
-    return cfg.splits > 1 and not has_score_terms and cfg.flex is None
+def split_k_applies(cfg: KernelConfig, ops: Operands) -> bool:
+    """Whether the forward is this kernel (`cfg.splits > 1` and no score terms, score_mod
+    or mask_mod). It copes with garbage (NaN) in the keys and values that nothing
+    attends, so the caller need not clean K and V first: for one decoding step that
+    clean-up pass would cost more than the attention itself. (Under differentiation they
+    are cleaned all the same: `_autodiff.derivatives`.)"""
+    return cfg.splits > 1 and not ops.has_score_terms and cfg.mods is None
 
 
-def decode_forward(
-    cfg: KernelConfig, q: Array, k: Array, v: Array, masks: Masks, seed: Array | None
-) -> tuple[Array, Array]:
-    """`_forward.forward` with the key blocks taken `cfg.splits` at a time, one lane each.
-    K and V are read in place, a round at a time (`_heads.Rows`): a long cache is read
+def split_k_forward(cfg: KernelConfig, q: Array, k: Array, v: Array, ops: Operands
+                    ) -> tuple[Array, Array]:
+    """`forward.forward` with the key blocks taken `cfg.splits` at a time, one lane each.
+    K and V are read in place, a round at a time (`heads.Rows`): a long cache is read
     once, not first copied head by head."""
-    kernel = functools.partial(_head, cfg, seed)
-    return per_head(kernel, (masks, ScoreMods()), (q,), whole=(k, v))
+    return per_head(functools.partial(_split_k_head, cfg), ops, (q,), whole=(k, v))
 
 
-def _head(
-    cfg: KernelConfig, seed: Array | None, head: Head, arrays: tuple[Array, ...],
-    kv: tuple[Rows, Rows],
+def _split_k_head(
+    cfg: KernelConfig, head: Head, arrays: tuple[Array, ...], kv: tuple[Rows, Rows],
 ) -> tuple[Array, Array]:
     (q,) = arrays
     k, v = kv
-    groups, seq_q_pad = q.shape[:2]
+    groups = q.shape[0]
     lanes, bk = cfg.splits, cfg.block_k
     width = lanes * bk
     seq_k = k.seq
-    masks = head.masks
+    ops = head.operands
     if seq_k < width:  # one short round: pad it (small) with keys masked by position
-        extra = width - seq_k
-        k, v = (Rows(jnp.pad(x(0, seq_k), ((0, extra), (0, 0)))) for x in (k, v))
-        masks = Masks(*(m if m is None or m.shape[-1] == 1 else
-                        jnp.pad(m, ((0, 0),) * (m.ndim - 1) + ((0, extra),)) for m in masks))
-    bands = band_ranges(cfg.seq_q, cfg.seq_k, cfg.block_q, bk, cfg.band_window, cfg.offset,
-                        by="q")
+        k, v = (Rows(jnp.pad(x(0, seq_k), ((0, width - seq_k), (0, 0)))) for x in (k, v))
+        ops = padded(ops, None, width)
+    bands = band_ranges(cfg, by="q")
     lo, hi = jnp.asarray(bands.lo), jnp.asarray(bands.hi)
-    limits = run_limits(cfg, masks, by="q")
+    limits = run_limits(cfg, ops, by="q")
     if limits is not None:
         lo, hi = jnp.maximum(lo, limits[0]), jnp.minimum(hi, limits[1])
         hi = jnp.maximum(hi, lo)
@@ -78,7 +71,7 @@ def _head(
     def query_block(_, i):
         q_start = i * cfg.block_q
         q_blk = rows(q, q_start, cfg.block_q, 1)  # (g, bq, d)
-        state = _softmax.start(q_blk, (lanes, groups, cfg.block_q, v.x.shape[-1]), stat)
+        state = softmax.start(q_blk, (lanes, groups, cfg.block_q, v.x.shape[-1]), stat)
 
         def one_round(r, state):
             # A ragged last round reads the last `width` keys, the ones before `r * width`
@@ -86,33 +79,30 @@ def _head(
             k_start = jnp.minimum(r * width, last_start)
             k_blk, v_blk = k(k_start, width), v(k_start, width)
             s, _ = logits(wide, q_blk, k_blk, None)  # (g, bq, lanes * bk)
-            mask = allowed(wide, masks, q_start, k_start, True)
+            mask = allowed(wide, ops, q_start, k_start, True)
             assert mask is not None  # positional: always a mask
             if seq_k % width:
                 k_pos = k_start + jnp.arange(width, dtype=jnp.int32).reshape(1, 1, width)
                 mask = mask & (k_pos >= r * width)
             s = jnp.where(mask, s, -jnp.inf)
-            # The cache is not cleaned up front (`reads_raw_cache`): a value row that no
+            # The cache is not cleaned up front (`split_k_applies`): a value row that no
             # query of this block sees may be garbage (NaN), and 0 * NaN is NaN.
             seen = jnp.any(mask, axis=tuple(range(mask.ndim - 1)))[:, None]
             v_blk = jnp.where(seen, v_blk, jnp.zeros((), v_blk.dtype))
             s = jnp.moveaxis(s.reshape(groups, cfg.block_q, lanes, bk), 2, 0)
-            p, alpha, row_max, row_sum = _softmax.rescale(state, s)
-            drop = dropout_multiplier(wide, seed, head, q_start, k_start, stat)
+            p, alpha, row_max, row_sum = softmax.rescale(state, s)
+            drop = dropout_multiplier(wide, head, q_start, k_start, stat)
             if drop is not None:
                 p = p * jnp.moveaxis(drop.reshape(groups, cfg.block_q, lanes, bk), 2, 0)
             v_lanes = v_blk.reshape(lanes, bk, v_blk.shape[-1])
             pv = jnp.einsum("lgqk,lkd->lgqd", p.astype(v_blk.dtype), v_lanes,
                             preferred_element_type=stat)
-            return _softmax.Running(alpha[..., None] * state.acc + pv, row_max, row_sum)
+            return softmax.Running(alpha[..., None] * state.acc + pv, row_max, row_sum)
 
         state = jax.lax.fori_loop(lo[i] // lanes, -(-hi[i] // lanes), one_round, state)
-        out, lse = _softmax.finish(*state)  # per lane: (lanes, g, bq, dv), (lanes, g, bq)
-        return None, _softmax.merge_all(out, lse, axis=0)
+        out, lse = softmax.finish(*state)  # per lane: (lanes, g, bq, dv), (lanes, g, bq)
+        return None, softmax.merge_all(out, lse, axis=0)
 
-    num_q = seq_q_pad // cfg.block_q
+    num_q = q.shape[1] // cfg.block_q
     _, (out, lse) = jax.lax.scan(query_block, None, jnp.arange(num_q, dtype=jnp.int32))
-    dim_v = v.x.shape[-1]
-    out = jnp.moveaxis(out, 0, 1).reshape(groups, seq_q_pad, dim_v)
-    lse = jnp.moveaxis(lse, 0, 1).reshape(groups, seq_q_pad)
-    return out.astype(q.dtype), lse
+    return unscan(out).astype(q.dtype), unscan(lse)

@@ -1,8 +1,8 @@
-"""What the kernels compute on one block: its logits, which of its pairs attend, and its
-dropout multiplier.
+"""What the kernels compute on one tile, a (query block, key block) pair: its logits,
+which of its pairs attend, and its dropout multiplier.
 
 A query block is `(groups, block_q, ...)`: the query heads of one kv head folded into the
-rows (see `_heads`). The backward kernel works on transposed blocks
+rows (see `heads`). The backward kernel works on transposed blocks
 `(block_k, groups * block_q)`; `transposed` brings any per-block array into that form.
 """
 
@@ -15,17 +15,12 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from .._core.config import KernelConfig, stat_dtype
-from .._kernels.heads import Head
-from .._mods.tracing import FlexArrays, apply_score, block_indices, mask_of
-from .._semantics.masking import (
-    Masks,
-    data_mask,
-    dropout_keep,
-    length_mask,
-    lengths_or,
-    positional_mask,
-)
-from .._semantics.score_terms import additive, global_positions
+from .._core.operands import Operands
+from .._mods.tracing import apply_mask_mod, apply_score_mod, mod_indices
+from .._semantics.dropout import dropout_keep
+from .._semantics.masking import data_mask, length_mask, lengths_or, positional_mask
+from .._semantics.score_terms import additive, block_indices
+from .heads import Head
 
 
 def rows(x: Array, start: Array, size: int, axis: int) -> Array:
@@ -125,7 +120,7 @@ def _scale_and_cap(
     return cap * t, t
 
 
-def positions(cfg: KernelConfig, q_start: Array, k_start: Array) -> tuple[Array, Array]:
+def tile_positions(cfg: KernelConfig, q_start: Array, k_start: Array) -> tuple[Array, Array]:
     """Query and key positions of one block, shaped to broadcast against `(g, q, k)`."""
     q_pos = q_start + jnp.arange(cfg.block_q, dtype=jnp.int32).reshape(1, -1, 1)
     k_pos = k_start + jnp.arange(cfg.block_k, dtype=jnp.int32).reshape(1, 1, -1)
@@ -133,87 +128,88 @@ def positions(cfg: KernelConfig, q_start: Array, k_start: Array) -> tuple[Array,
 
 
 def score_terms(
-    cfg: KernelConfig, head: Head, q_start: Array, k_start: Array, dtype: jnp.dtype
+    cfg: KernelConfig, head: Head, q_start: Array, k_start: Array, dtype: jnp.dtype,
+    ops: Operands | None = None,
 ) -> Array | None:
-    """The bias/ALiBi term of one block, `(groups|1, block_q|1, block_k|1)` (None: none)."""
-    if head.mods.is_empty:
+    """The score terms of one block (`_semantics.score_terms`), `(groups|1, block_q|1,
+    block_k|1)` (None: none), of `ops` (default: the head's)."""
+    ops = head.operands if ops is None else ops
+    if not ops.has_score_terms:
         return None
-    q_pos, k_pos = positions(cfg, q_start, k_start)
-    return additive(head.mods, q_start, k_start, q_pos, k_pos, cfg.score_offset, cfg.block_q,
+    q_pos, k_pos = tile_positions(cfg, q_start, k_start)
+    return additive(ops, q_start, k_start, q_pos, k_pos, cfg.score_offset, cfg.block_q,
                     cfg.block_k, dtype)
 
 
 def allowed(
-    cfg: KernelConfig, masks: Masks, q_start: Array, k_start: Array, positional: bool
+    cfg: KernelConfig, ops: Operands, q_start: Array, k_start: Array, positional: bool
 ) -> Array | None:
     """Which pairs of the block attend, `(groups|1, block_q|1, block_k)` (None: all)."""
-    mask = data_mask(masks, q_start, k_start, cfg.block_q, cfg.block_k)
-    q_pos, k_pos = positions(cfg, q_start, k_start)  # unused ones cost nothing once traced
+    mask = data_mask(ops, q_start, k_start, cfg.block_q, cfg.block_k)
+    q_pos, k_pos = tile_positions(cfg, q_start, k_start)  # unused ones cost nothing once traced
     if positional:
         pos = positional_mask(q_pos, k_pos, cfg.offset, cfg.seq_k, cfg.band_window)
         mask = pos if mask is None else mask & pos
-    if masks.has_lengths:
-        q_len, kv_len = lengths_or(masks, cfg.seq_q, cfg.seq_k)
+    if ops.has_lengths:
+        q_len, kv_len = lengths_or(ops, cfg.seq_q, cfg.seq_k)
         by_length = length_mask(q_pos, k_pos, q_len, kv_len, cfg.window)
         mask = by_length if mask is None else mask & by_length
     return mask
 
 
-def flex_indices(
+def tile_mod_indices(
     cfg: KernelConfig, head: Head, q_start: Array, k_start: Array
 ) -> tuple[Array, Array, Array, Array]:
     """`(batch, head, q_idx, kv_idx)` of one block for `score_mod`/`mask_mod`, shaped
-    `(g, 1, 1)`, `(g, 1, 1)`, `(1, bq, 1)`, `(1, 1, bk)` (`_mods.block_probe`)."""
-    assert cfg.flex is not None
-    if head.mods.q_positions is not None:  # a shard of a longer sequence (ring attention)
-        q_pos, k_pos = global_positions(head.mods, q_start, k_start, cfg.block_q, cfg.block_k)
-    else:
-        q_pos, k_pos = positions(cfg, q_start, k_start)
-    return block_indices(cfg.flex, head.head_ids, q_pos, k_pos)
+    `(g, 1, 1)`, `(g, 1, 1)`, `(1, bq, 1)`, `(1, 1, bk)` (`_mods.tracing.block_probe`)."""
+    assert cfg.mods is not None
+    q_pos, k_pos = tile_positions(cfg, q_start, k_start)
+    q_idx, k_idx = block_indices(head.operands, q_start, k_start, q_pos, k_pos, cfg.block_q,
+                                 cfg.block_k)
+    return mod_indices(cfg.mods, head.head_ids, q_idx, k_idx)
 
 
-def score_fn(
-    cfg: KernelConfig, head: Head, flex: FlexArrays, q_start: Array, k_start: Array
-) -> ScoreFn | None:
+def score_fn(cfg: KernelConfig, head: Head, q_start: Array, k_start: Array) -> ScoreFn | None:
     """The block's `score_mod` as a function of its logits `(g, bq, bk)` (None: none)."""
-    if cfg.flex is None or cfg.flex.score is None:
+    if cfg.mods is None or cfg.mods.score is None:
         return None
-    idx = flex_indices(cfg, head, q_start, k_start)
-    flex_cfg = cfg.flex
-    return lambda s: apply_score(flex_cfg, flex, s, idx)
+    idx = tile_mod_indices(cfg, head, q_start, k_start)
+    mods, ops = cfg.mods, head.operands
+    return lambda s: apply_score_mod(mods, ops, s, idx)
 
 
 def visit(
-    cfg: KernelConfig, head: Head, flex: FlexArrays, qb: Array, kb: Array, masked: bool,
-    has_data_mask: bool, compute: Callable[[Array | None, Any], Any], carry: Any,
+    cfg: KernelConfig, head: Head, qb: Array, kb: Array, masked: bool,
+    compute: Callable[[Array | None, Any], Any], carry: Any,
     orient: Callable[[Array | None], Array | None] = lambda m: m,
 ) -> Any:
     """`compute(mask, carry)` for block pair `(qb, kb)` with its mask (`allowed`, and the
     `mask_mod`'s), put in the kernel's layout by `orient`; skipped when a data mask
     empties it.
 
-    `masked` is `_schedule.over_band`'s: False for a block that the schedule knows to be
+    `masked` is `schedule.over_band`'s: False for a block that the schedule knows to be
     whole, by position and, with block flags, by the `mask_mod` too (then the `mask_mod`
     is not evaluated). Without block flags (the ring's kernels) the `mask_mod` is
     evaluated on every block, and a block it empties is skipped.
     """
     q_start, k_start = qb * cfg.block_q, kb * cfg.block_k
-    base = allowed(cfg, head.masks, q_start, k_start, masked)
+    ops = head.operands
+    has_data_mask = ops.has_data_mask
+    base = allowed(cfg, ops, q_start, k_start, masked)
 
     def without_mod(c):
         mask = orient(base)
         return skip_if_empty(mask, has_data_mask, functools.partial(compute, mask), c)
 
-    if cfg.flex is None or cfg.flex.mask is None:
+    if cfg.mods is None or cfg.mods.mask is None:
         return without_mod(carry)
-    flex_cfg = cfg.flex
-    listed = head.masks.block_flags is not None  # the schedule skipped empty blocks
+    listed = ops.block_flags is not None  # the schedule skipped empty blocks
     if listed and not masked:
         return without_mod(carry)
-    idx = flex_indices(cfg, head, q_start, k_start)
-    mod = mask_of(flex_cfg, flex, idx, (head.head_ids.shape[0], cfg.block_q, cfg.block_k))
+    idx = tile_mod_indices(cfg, head, q_start, k_start)
+    mod = apply_mask_mod(cfg.mods, ops, idx, (head.head_ids.shape[0], cfg.block_q, cfg.block_k))
     if not listed and cfg.seq_q % cfg.block_q:  # padding rows (discarded) must not keep
-        local_q = positions(cfg, q_start, k_start)[0]  # a block the mask_mod empties
+        local_q = tile_positions(cfg, q_start, k_start)[0]  # a block the mask_mod empties
         mod = mod & (local_q < cfg.seq_q)
     mask = orient(mod if base is None else base & mod)
     return skip_if_empty(mask, has_data_mask or not listed, functools.partial(compute, mask),
@@ -221,14 +217,14 @@ def visit(
 
 
 def dropout_multiplier(
-    cfg: KernelConfig, seed: Array | None, head: Head, q_start: Array, k_start: Array,
-    dtype: jnp.dtype,
+    cfg: KernelConfig, head: Head, q_start: Array, k_start: Array, dtype: jnp.dtype,
 ) -> Array | None:
     """`keep / (1 - rate)` for one block, `(groups, block_q, block_k)` (None without
     dropout)."""
+    seed = head.operands.dropout_seed
     if seed is None or cfg.dropout_rate == 0.0:
         return None
-    q_pos, k_pos = positions(cfg, q_start, k_start)
+    q_pos, k_pos = tile_positions(cfg, q_start, k_start)
     keep = dropout_keep(seed, head.head_ids, q_pos, k_pos, cfg.dropout_rate)
     return jnp.where(keep, jnp.asarray(1.0 / (1.0 - cfg.dropout_rate), dtype),
                      jnp.asarray(0.0, dtype))
@@ -257,3 +253,10 @@ def skip_if_empty(
     if mask is None or not has_data_mask:
         return compute(carry)
     return jax.lax.cond(jnp.any(mask), compute, lambda c: c, carry)
+
+
+def unscan(x: Array) -> Array:
+    """Per-query-block results stacked by a scan over query blocks, `(num_q, groups,
+    block_q, ...)`, back as rows `(groups, num_q * block_q, ...)`."""
+    num, groups, block = x.shape[:3]
+    return jnp.moveaxis(x, 0, 1).reshape(groups, num * block, *x.shape[3:])

@@ -4,18 +4,19 @@
 kv_idx) -> bool` are elementwise: the kernels call them on one block at a time with int32
 index arrays that broadcast against the block, the reference on the whole grid.
 
-The kernels are `custom_vjp` functions, and JAX cannot differentiate a `custom_vjp` with
-respect to values it closes over. So each function is split (`split_mod`) into a static,
-hashable part (`ModFn`, part of the `KernelConfig`) and the arrays it reads (its PyTree
-leaves, and any traced values it closes over, found by tracing it on one block), which
-become explicit inputs of the `custom_vjp`: the floating ones of `score_mod` are
+The kernels run under custom derivative rules (`_autodiff`), and JAX cannot
+differentiate a custom rule with respect to values it closes over. So each function is
+split (`split_mod`) into a static, hashable part (`ModFn`, in `KernelConfig.mods`) and
+the arrays it reads (its PyTree leaves, and any traced values it closes over, found by
+tracing it on one block), which become operands of the call
+(`Operands.score_mod_arrays`, ...): the floating ones of `score_mod` are
 differentiable, and the backward kernel gets their cotangents from `jax.vjp` of the
-`score_mod` on each block.
+`score_mod` on each block (the tangent kernel, from `jax.jvp`).
 """
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -24,6 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import core
 from jaxtyping import Array, Bool, Int
+
+from .._core.operands import Operands
 
 # Primitives that, applied to the scores, mix different elements: a `score_mod` using one
 # would see a different block in each kernel step, so its result would depend on blocking.
@@ -219,24 +222,12 @@ def check_mask_mod(
 
 
 @dataclasses.dataclass(frozen=True)
-class Flex:
-    """Static part of the modifications of one kernel call (in `KernelConfig.flex`)."""
+class Mods:
+    """Static part of the modifications of one kernel call (in `KernelConfig.mods`)."""
 
     score: ModFn | None
     mask: ModFn | None
     heads: int  # query heads per batch element, to split the flat head index
-
-
-class FlexArrays(NamedTuple):
-    """The arrays the modifications read. `score` (the floating arrays of `score_mod`) is
-    differentiable; the rest are not."""
-
-    score: Any = None
-    score_const: Any = None
-    mask: Any = None
-
-
-NO_FLEX = FlexArrays()
 
 
 def split_arrays(arrays: Any) -> tuple[Any, Any]:
@@ -256,25 +247,26 @@ def block_probe(groups: int, block_q: int, block_k: int, dtype: Any) -> Probe:
     )
 
 
-def block_indices(
-    flex: Flex, head_ids: Int[Array, "g 1 1"], q_pos: Array, k_pos: Array
+def mod_indices(
+    mods: Mods, head_ids: Int[Array, "g 1 1"], q_pos: Array, k_pos: Array
 ) -> tuple[Array, Array, Array, Array]:
     """`(batch, head, q_idx, kv_idx)` of one block from the flat query-head index."""
-    return head_ids // flex.heads, head_ids % flex.heads, q_pos, k_pos
+    return head_ids // mods.heads, head_ids % mods.heads, q_pos, k_pos
 
 
-def apply_score(flex: Flex, arrays: FlexArrays, s: Array, idx: Probe) -> Array:
-    assert flex.score is not None
-    params = eqx.combine(arrays.score, arrays.score_const)
-    return flex.score.call((s, *idx), params)
+def apply_score_mod(mods: Mods, ops: Operands, s: Array, idx: Probe) -> Array:
+    """The `score_mod` on one block of scores `s`, with the arrays it reads from `ops`."""
+    assert mods.score is not None
+    arrays = eqx.combine(ops.score_mod_arrays, ops.score_mod_consts)
+    return mods.score.call((s, *idx), arrays)
 
 
-def mask_of(
-    flex: Flex, arrays: FlexArrays, idx: Probe, shape: Shape
+def apply_mask_mod(
+    mods: Mods, ops: Operands, idx: Probe, shape: Shape
 ) -> Bool[Array, "..."]:
-    """`mask_mod` on one block, broadcast to `shape`."""
-    assert flex.mask is not None
-    return jnp.broadcast_to(flex.mask.call(idx, arrays.mask), shape)
+    """The `mask_mod` on one block, broadcast to `shape`."""
+    assert mods.mask is not None
+    return jnp.broadcast_to(mods.mask.call(idx, ops.mask_mod_arrays), shape)
 
 
 def grid_indices(
@@ -291,14 +283,15 @@ def grid_indices(
     return b, h, i, j
 
 
-def prepare(
+def trace_mods(
     score_mod: Callable[..., Any] | None, mask_mod: Callable[..., Any] | None, heads: int,
     groups: int, block_q: int, block_k: int, dtype: Any,
-) -> tuple[Flex | None, FlexArrays]:
+) -> tuple[Mods | None, Operands]:
     """Check and split the modifications for the kernels of a call blocked
-    `(block_q, block_k)` whose scores have `dtype`: `(None, FlexArrays())` without any."""
+    `(block_q, block_k)` whose scores have `dtype`: their static part and the operands
+    holding the arrays they read (`(None, Operands())` without any)."""
     if score_mod is None and mask_mod is None:
-        return None, FlexArrays()
+        return None, Operands()
     probe = block_probe(groups, block_q, block_k, dtype)
     score = mask = None
     score_diff = score_const = mask_arrays = None
@@ -307,7 +300,8 @@ def prepare(
         score_diff, score_const = split_arrays(arrays)
     if mask_mod is not None:
         mask, mask_arrays = check_mask_mod(mask_mod, probe[1:], (groups, block_q, block_k))
-    return Flex(score, mask, heads), FlexArrays(score_diff, score_const, mask_arrays)
+    return Mods(score, mask, heads), Operands(
+        score_mod_arrays=score_diff, score_mod_consts=score_const, mask_mod_arrays=mask_arrays)
 
 
 class AtPositions(eqx.Module):

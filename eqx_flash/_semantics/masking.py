@@ -1,44 +1,16 @@
-"""The one definition of which (query, key) pairs attend, and which are dropped.
+"""The one definition of which (query, key) pairs attend.
 
-The blockwise kernels evaluate these functions on one block of positions, the reference
-on the whole grid, and `_schedule` reasons about the positional part block by block, so
-all three agree by construction.
+The kernels evaluate these functions on one block of positions, the reference on the
+whole grid, and the schedule (`_kernels.schedule`) reasons about the positional part
+block by block, so all three agree by construction.
 """
-
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Int, UInt32
+from jaxtyping import Array, Bool, Int
 
-from .._core.config import Window
-
-
-class Masks(NamedTuple):
-    """Data-dependent masks in the internal layout (`_shapes.mask_to_internal`).
-
-    Each is `(batch|1, kv_heads|1, groups|1, seq_q|1, seq_k|1)` or None.
-    """
-
-    key_mask: Array | None = None
-    pair_mask: Array | None = None
-    q_segment_ids: Array | None = None
-    kv_segment_ids: Array | None = None
-    # Valid lengths (right padding), `(batch|1, 1, 1, 1, 1)` int32; see `length_mask`.
-    q_lengths: Array | None = None
-    kv_lengths: Array | None = None
-    # A `mask_mod`'s block summary (`_block_mask`), `(batch|1, kv_heads|1, 1, num_q,
-    # num_k)` int8: per block, not per position, so never padded or sliced as the rest.
-    block_flags: Array | None = None
-
-    @property
-    def has_lengths(self) -> bool:
-        return self.q_lengths is not None or self.kv_lengths is not None
-
-    @property
-    def is_empty(self) -> bool:
-        """No data-dependent mask on positions (the block summary is not one)."""
-        return all(m is None for m in self._replace(block_flags=None))
+from .._core.operands import Operands
+from .._core.options import Window
 
 
 def positional_mask(
@@ -75,15 +47,15 @@ def length_mask(
     return allowed
 
 
-def lengths_or(masks: Masks, seq_q: int, seq_k: int) -> tuple[Array | int, Array | int]:
-    """`(q_len, kv_len)` of `masks`, the full sequence where a length is not given."""
-    q_len = seq_q if masks.q_lengths is None else masks.q_lengths
-    kv_len = seq_k if masks.kv_lengths is None else masks.kv_lengths
+def lengths_or(ops: Operands, seq_q: int, seq_k: int) -> tuple[Array | int, Array | int]:
+    """`(q_len, kv_len)` of `ops`, the full sequence where a length is not given."""
+    q_len = seq_q if ops.q_lengths is None else ops.q_lengths
+    kv_len = seq_k if ops.kv_lengths is None else ops.kv_lengths
     return q_len, kv_len
 
 
 def valid_rows(
-    q: Array, k: Array, v: Array, masks: Masks, seq_q: int, seq_k: int, keys: bool = True
+    q: Array, k: Array, v: Array, ops: Operands, seq_q: int, seq_k: int, keys: bool = True
 ) -> tuple[Array, Array, Array]:
     """q, k, v (internal layout, unpadded) with the rows that can never attend set to 0:
     queries at or past `q_lengths`, keys at or past `kv_lengths` or masked by the key mask
@@ -91,18 +63,18 @@ def valid_rows(
     uninitialised cache) reaches no output and no gradient: a masked logit is replaced by
     -inf, but its weight 0 times a NaN value would still be NaN. The `where` also gives
     those rows zero cotangents."""
-    if masks.q_lengths is not None:
+    if ops.q_lengths is not None:
         q_pos = jnp.arange(seq_q, dtype=jnp.int32).reshape(1, 1, 1, -1, 1)
-        q = jnp.where(q_pos < masks.q_lengths, q, jnp.zeros((), q.dtype))
+        q = jnp.where(q_pos < ops.q_lengths, q, jnp.zeros((), q.dtype))
     if not keys:  # (`keys=False`: the queries only)
         return q, k, v
     keep = None
-    if masks.kv_lengths is not None:
+    if ops.kv_lengths is not None:
         k_pos = jnp.arange(seq_k, dtype=jnp.int32).reshape(1, 1, -1, 1)
-        keep = k_pos < masks.kv_lengths[:, :, 0]  # (batch|1, 1, seq_k, 1)
-    if masks.key_mask is not None:
+        keep = k_pos < ops.kv_lengths[:, :, 0]  # (batch|1, 1, seq_k, 1)
+    if ops.key_mask is not None:
         # (b|1, h|1, g|1, 1, seq_k) -> attended by some query head of the kv head
-        some = jnp.any(masks.key_mask, axis=(2, 3))[..., None]  # (b|1, h|1, seq_k, 1)
+        some = jnp.any(ops.key_mask, axis=(2, 3))[..., None]  # (b|1, h|1, seq_k, 1)
         keep = some if keep is None else keep & some
     if keep is not None:
         k = jnp.where(keep, k, jnp.zeros((), k.dtype))
@@ -120,7 +92,7 @@ def block_of(x: Array, q_start: Array | int, k_start: Array | int, block_q: int,
 
 
 def data_mask(
-    masks: Masks, q_start: Array | int, k_start: Array | int, block_q: int, block_k: int
+    ops: Operands, q_start: Array | int, k_start: Array | int, block_q: int, block_k: int
 ) -> Array | None:
     """AND of the data-dependent masks over one block (None when there are none)."""
     allowed = None
@@ -128,62 +100,12 @@ def data_mask(
     def conj(a, b):
         return b if a is None else a & b
 
-    if masks.key_mask is not None:
-        allowed = conj(allowed, block_of(masks.key_mask, q_start, k_start, block_q, block_k))
-    if masks.pair_mask is not None:
-        allowed = conj(allowed, block_of(masks.pair_mask, q_start, k_start, block_q, block_k))
-    if masks.q_segment_ids is not None and masks.kv_segment_ids is not None:
-        qs = block_of(masks.q_segment_ids, q_start, k_start, block_q, block_k)
-        ks = block_of(masks.kv_segment_ids, q_start, k_start, block_q, block_k)
+    if ops.key_mask is not None:
+        allowed = conj(allowed, block_of(ops.key_mask, q_start, k_start, block_q, block_k))
+    if ops.pair_mask is not None:
+        allowed = conj(allowed, block_of(ops.pair_mask, q_start, k_start, block_q, block_k))
+    if ops.q_segment_ids is not None and ops.kv_segment_ids is not None:
+        qs = block_of(ops.q_segment_ids, q_start, k_start, block_q, block_k)
+        ks = block_of(ops.kv_segment_ids, q_start, k_start, block_q, block_k)
         allowed = conj(allowed, qs == ks)
     return allowed
-
-
-# --- dropout: a counter-based hash, so a pattern never depends on how work is blocked ---
-
-
-def _mix(h: UInt32[Array, "*b"]) -> UInt32[Array, "*b"]:
-    """A 32-bit integer finaliser ("lowbias32"); bijective and well mixed."""
-    h = h ^ (h >> 16)
-    h = h * jnp.uint32(0x7FEB352D)
-    h = h ^ (h >> 15)
-    h = h * jnp.uint32(0x846CA68B)
-    return h ^ (h >> 16)
-
-
-def dropout_seed(key: Array) -> UInt32[Array, ""]:
-    """Fold a PRNG key (any implementation) into one 32-bit seed."""
-    words = jax.random.key_data(key).reshape(-1).astype(jnp.uint32)
-    h = jnp.uint32(0x9E3779B9)
-    for i in range(words.shape[0]):
-        h = _mix(h ^ words[i])
-    return h
-
-
-def dropout_keep(
-    seed: UInt32[Array, ""],
-    head_index: Int[Array, "*#b"],
-    q_pos: Int[Array, "*#b"],
-    k_pos: Int[Array, "*#b"],
-    rate: float,
-) -> Bool[Array, "*b"]:
-    """Whether attention weight (head, i, j) survives dropout: a pure function of
-    (key, flat leading index, i, j), so kernels and reference drop the same entries."""
-    row = _mix(_mix(seed ^ head_index.astype(jnp.uint32)) ^ q_pos.astype(jnp.uint32))
-    col = _mix(k_pos.astype(jnp.uint32) ^ jnp.uint32(0x68E31DA4))
-    h = _mix(row + col)
-    threshold = jnp.uint32(min(int(rate * 2.0**32), 2**32 - 1))
-    return h >= threshold
-
-
-def flat_head_index(b: Array, h: Array, kv_heads: int, groups: int) -> Int[Array, "..."]:
-    """Flat index over q's leading axes (heads included) of the query heads grouped on kv
-    head `h` of batch element `b`: `(b * kv_heads + h) * groups + g`, shaped
-    `(*broadcast(b, h), groups, 1, 1)` to broadcast against logits `(..., seq_q, seq_k)`.
-
-    The one definition of the head coordinate of dropout's counter: the kernels (one kv
-    head at a time) and the reference (all heads at once) both call it.
-    """
-    n = jnp.asarray(b, jnp.int32)[..., None] * kv_heads + jnp.asarray(h, jnp.int32)[..., None]
-    g = jnp.arange(groups, dtype=jnp.int32).reshape((1,) * (n.ndim - 1) + (groups,))
-    return (n * groups + g)[..., None, None]

@@ -1,0 +1,226 @@
+"""`Operands`: every per-call array of one attention call, as one PyTree.
+
+Masks, segment ids, lengths, the score terms, the arrays a `score_mod`/`mask_mod` reads,
+a `mask_mod`'s block summary and the dropout seed travel together from the binder
+(`_api.binder`) through layout, padding, the derivative rules, the kernels and the ring.
+Each field says in its metadata how it is laid out and whether it is differentiable, so
+the code that moves operands around (padding, slicing per head, sharding, the ring, the
+derivative wiring) reads the metadata and never names a field; only the code where an
+operand acts (`_semantics`, the kernels' per-block math, the reference) reads it by name.
+
+Layouts (`Layout`):
+
+- `GRID`: `(batch|1, kv_heads|1, groups|1, seq_q|1, seq_k|1)`, the internal layout of
+  `_core.shapes`, size 1 wherever it broadcasts: padded to whole blocks along the
+  sequence axes and sliced per (batch, kv head), after which it is `(groups|1, seq_q|1,
+  seq_k|1)`.
+- `BLOCKS`: `(batch|1, kv_heads|1, 1, num_q_blocks, num_k_blocks)`: per block pair,
+  sliced per (batch, kv head), never padded.
+- `SHARED`: any PyTree, handed whole to every head.
+"""
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array
+
+Layout = Literal["grid", "blocks", "shared"]
+GRID: Layout = "grid"
+BLOCKS: Layout = "blocks"
+SHARED: Layout = "shared"
+
+# How the binder checks a public array argument and brings it into the field's layout
+# (`_api.binder.bind_array`):
+#   "keys", "pairs": a boolean (or integer, non-zero attends) mask over keys `(*batch,
+#       [heads,] seq_k)` or over pairs, broadcastable to `(*batch, heads, seq_q, seq_k)`;
+#   "query_ids", "key_ids": integer ids `(*batch, [heads,] seq_q|seq_k)`;
+#   "query_lengths", "key_lengths": integer lengths `(*batch,)` in `[0, seq_q|seq_k]`;
+#   "float_pairs": a float array broadcastable to `(*batch, heads, seq_q, seq_k)`;
+#   "per_head": a float array `(heads,)` or `(*batch, heads)`.
+# Fields without a kind are filled by the library (tracing, summaries, the ring).
+Kind = Literal["keys", "pairs", "query_ids", "key_ids", "query_lengths", "key_lengths",
+               "float_pairs", "per_head"]
+
+
+def _operand(layout: Layout, *, argument: str | None = None, kind: Kind | None = None,
+             differentiable: bool = False) -> Any:
+    return eqx.field(default=None, metadata=dict(
+        layout=layout, argument=argument, kind=kind, differentiable=differentiable))
+
+
+class Operands(eqx.Module):
+    """The per-call arrays of one attention call (None: not given). Internal layout.
+
+    The fields are annotated `Any` because the same tree also carries what is derived
+    from the arrays field by field: flags (which are wanted), tangents, cotangents and
+    `PartitionSpec`s.
+    """
+
+    # What attends (`_semantics.masking`).
+    key_mask: Any = _operand(GRID, argument="mask", kind="keys")
+    pair_mask: Any = _operand(GRID, argument="attn_mask", kind="pairs")
+    q_segment_ids: Any = _operand(GRID, argument="q_segment_ids", kind="query_ids")
+    kv_segment_ids: Any = _operand(GRID, argument="kv_segment_ids", kind="key_ids")
+    # Terms added to the logits (`_semantics.score_terms`).
+    bias: Any = _operand(GRID, argument="bias", kind="float_pairs",
+                                  differentiable=True)
+    alibi_slopes: Any = _operand(GRID, argument="alibi_slopes", kind="per_head",
+                                          differentiable=True)
+    # Valid lengths (right padding), `(batch|1, 1, 1, 1, 1)` int32.
+    q_lengths: Any = _operand(GRID, argument="q_lengths", kind="query_lengths")
+    kv_lengths: Any = _operand(GRID, argument="kv_lengths", kind="key_lengths")
+    # Where the rows and columns sit in a longer sequence (the ring: a shard's global
+    # indices), int32 `(1, 1, 1, seq_q, 1)` and `(1, 1, 1, 1, seq_k)`: the indices ALiBi
+    # and `score_mod`/`mask_mod` see. None: the call's own indices.
+    q_index: Any = _operand(GRID)
+    kv_index: Any = _operand(GRID)
+    # A `mask_mod`'s summary per block pair (`_mods.block_mask`), int8.
+    block_flags: Any = _operand(BLOCKS, argument="block_mask")
+    # The arrays a `score_mod` reads (its PyTree leaves and closed-over tracers,
+    # `_mods.tracing`): the floating ones are differentiable, the rest constants.
+    score_mod_arrays: Any = _operand(SHARED, argument="score_mod", differentiable=True)
+    score_mod_consts: Any = _operand(SHARED)
+    mask_mod_arrays: Any = _operand(SHARED, argument="mask_mod")
+    # Dropout's 32-bit seed (`_semantics.dropout`).
+    dropout_seed: Any = _operand(SHARED)
+
+    @property
+    def has_lengths(self) -> bool:
+        return self.q_lengths is not None or self.kv_lengths is not None
+
+    @property
+    def has_data_mask(self) -> bool:
+        """Whether a mask known only at run time may empty a block (`tile.skip_if_empty`)."""
+        return any(x is not None for x in (
+            self.key_mask, self.pair_mask, self.q_segment_ids, self.kv_segment_ids,
+            self.q_lengths, self.kv_lengths))
+
+    @property
+    def has_score_terms(self) -> bool:
+        return self.bias is not None or self.alibi_slopes is not None
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(Operands))
+_METADATA = {f.name: f.metadata for f in dataclasses.fields(Operands)}
+
+
+def layout_of(name: str) -> Layout:
+    return _metadata(name)["layout"]
+
+
+def _metadata(name: str) -> Mapping[str, Any]:
+    return _METADATA[name]
+
+
+def public_arguments() -> dict[str, str]:
+    """`{argument name: field name}` of the operands a caller passes by name."""
+    return {_metadata(n)["argument"]: n for n in FIELDS if _metadata(n)["argument"]}
+
+
+def differentiable_arguments() -> tuple[str, ...]:
+    """The public arguments whose floating arrays get gradients (and tangents)."""
+    return tuple(_metadata(n)["argument"] for n in FIELDS
+                 if _metadata(n)["differentiable"] and _metadata(n)["argument"])
+
+
+def kind_of(name: str) -> Kind | None:
+    return _metadata(name)["kind"]
+
+
+def replace(ops: Operands, **fields: Any) -> Operands:
+    return dataclasses.replace(ops, **fields)
+
+
+def select(ops: Operands, keep: Callable[[str], bool]) -> Operands:
+    """`ops` with the fields `keep` rejects set to None."""
+    return dataclasses.replace(ops, **{n: None for n in FIELDS if not keep(n)})
+
+
+def differentiable_part(ops: Operands) -> Operands:
+    return select(ops, is_differentiable)
+
+
+def constant_part(ops: Operands) -> Operands:
+    return select(ops, lambda n: not is_differentiable(n))
+
+
+def combine(*parts: Operands) -> Operands:
+    """The fields of `parts` together (each field set in at most one part)."""
+    return dataclasses.replace(parts[0], **{
+        n: next((getattr(p, n) for p in parts if getattr(p, n) is not None), None)
+        for n in FIELDS})
+
+
+def map_fields(fn: Callable[..., Any], ops: Operands, *rest: Any) -> Operands:
+    """`fn(name, value, *values of rest)` for every field set in `ops` (each of `rest`
+    an Operands-shaped tree, e.g. of tangents or flags); unset fields stay None."""
+    return dataclasses.replace(ops, **{
+        n: None if getattr(ops, n) is None else fn(n, getattr(ops, n),
+                                                     *(getattr(r, n) for r in rest))
+        for n in FIELDS})
+
+
+def pad_axis(x: Array, axis: int, size: int) -> Array:
+    """`x` zero-padded along `axis` to `size` (an axis of size 1 broadcasts: kept)."""
+    if x.shape[axis] in (1, size):
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths)
+
+
+def whole_blocks(n: int, block: int) -> int:
+    """`n` rounded up to a multiple of `block`."""
+    return -(-n // block) * block
+
+
+def padded(ops: Operands, seq_q: int | None, seq_k: int | None) -> Operands:
+    """The `GRID` operands padded along their sequence axes (-2, -1) to `seq_q`, `seq_k`
+    (None: that axis as it is). Padding is never attended: the kernels mask it by
+    position, so the values it gets do not matter."""
+
+    def pad(name: str, x: Any) -> Any:
+        if layout_of(name) != GRID:
+            return x
+        if seq_q is not None:
+            x = pad_axis(x, -2, seq_q)
+        return x if seq_k is None else pad_axis(x, -1, seq_k)
+
+    return map_fields(pad, ops)
+
+
+def per_head_part(ops: Operands) -> tuple[Operands, Operands]:
+    """`(sliced, shared)`: the fields with leading (batch, kv head) axes, and the rest."""
+    shared = select(ops, lambda n: layout_of(n) == SHARED)
+    return select(ops, lambda n: layout_of(n) != SHARED), shared
+
+
+def reduce_to(name: str, grad: Any, like: Any) -> Any:
+    """A cotangent computed per (batch, kv head) — stacked on two leading axes — summed
+    where operand `name` (`like`) broadcasts over them, in `like`'s dtype."""
+    if layout_of(name) == SHARED:
+        return jax.tree.map(lambda g, x: g.sum(axis=(0, 1)).astype(x.dtype), grad, like)
+    axes = tuple(a for a in (0, 1) if like.shape[a] == 1)
+    return grad.sum(axis=axes, keepdims=True).astype(like.dtype)
+
+
+def is_differentiable(name: str) -> bool:
+    return _metadata(name)["differentiable"]
+
+
+def zeros_for(diff: Operands, wanted: Operands, dtype: Any) -> Operands:
+    """Accumulators for the wanted cotangents of the differentiable operands `diff`:
+    zeros in `dtype` where the flags `wanted` (shaped as `diff`) say, None elsewhere."""
+    return map_fields(lambda _, x, want: jax.tree.map(
+        lambda a, w: None if a is None or not w else jnp.zeros_like(a, dtype), x, want,
+        is_leaf=lambda a: a is None), diff, wanted)
+
+
+def add_cotangents(acc: Operands, part: Operands) -> Operands:
+    """`acc + part` for every cotangent `acc` accumulates, in `acc`'s dtypes."""
+    return map_fields(lambda _, a, p: jax.tree.map(
+        lambda x, y: x + y.astype(x.dtype), a, p), acc, part)
