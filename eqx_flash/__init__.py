@@ -14,9 +14,9 @@ from ._mods.block_mask import BlockMask as BlockMask
 from ._mods.block_mask import make_block_mask as make_block_mask
 from ._mods.position_bias import ALiBi as ALiBi
 from ._mods.position_bias import RelativePositionBias as RelativePositionBias
+from ._nn.attention import FlashAttention as FlashAttention
 from ._nn.cache import KVCache as KVCache
-from ._nn.cache import rotary as rotary
-from ._nn.modules import FlashAttention as FlashAttention
-from ._nn.modules import FlashMultiheadAttention as FlashMultiheadAttention
+from ._nn.multihead import FlashMultiheadAttention as FlashMultiheadAttention
+from ._nn.rotary import rotary as rotary
 
 __version__ = importlib.metadata.version("eqx_flash")

@@ -8,6 +8,8 @@ query_size, ..., *, key, num_kv_heads=...)` called as `mha(query, key_, value, m
 """
 
 import re
+import subprocess
+import sys
 from typing import Any
 
 import equinox as eqx
@@ -161,3 +163,43 @@ def test_process_heads_must_keep_shapes():
     with pytest.raises(ValueError, match="process_heads"):
         mha(x, jnp.zeros((KV_SEQ, KEY)), jnp.zeros((KV_SEQ, VALUE)),
             process_heads=lambda q, k, v: (q[:-1], k[:-1], v[:-1]))
+
+
+def test_dropout_p_of_the_wrong_type_is_refused_at_construction():
+    """Checked in a process without the test suite's jaxtyping import hook, which would
+    catch the annotation first: the module's own check must name `dropout_p`."""
+    script = (
+        "import jax, eqx_flash\n"
+        "for build in (lambda: eqx_flash.FlashAttention(dropout_p='0.1', inference=True),\n"
+        "              lambda: eqx_flash.FlashMultiheadAttention(\n"
+        "                  4, 16, dropout_p='0.1', inference=True, key=jax.random.key(0))):\n"
+        "    try:\n"
+        "        build()\n"
+        "    except TypeError as error:\n"
+        "        assert 'dropout_p' in str(error), error\n"
+        "    else:\n"
+        "        raise SystemExit('accepted')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("module", ["FlashAttention", "FlashMultiheadAttention"])
+def test_traced_dropout_rate_is_refused_naming_dropout(module: str):
+    q = jnp.ones((Q_SEQ, QUERY))
+    if module == "FlashAttention":
+        layer = eqx_flash.FlashAttention(dropout_p=0.1)
+        layer = eqx.tree_at(lambda m: m.dropout_p, layer, jnp.asarray(0.2))
+        heads = jnp.ones((2, Q_SEQ, 8))
+        call, name = (lambda m, key: m(heads, heads, heads, key=key)), "dropout_p"
+    else:
+        layer = eqx.tree_at(lambda m: m.dropout.p, _mha(dropout_p=0.1), jnp.asarray(0.2))
+        call, name = (lambda m, key: m(q, jnp.ones((KV_SEQ, KEY)),
+                                       jnp.ones((KV_SEQ, VALUE)), key=key)), "dropout.p"
+    # Concrete, the swapped-in rate is used as a number.
+    assert call(layer, jax.random.key(1)).shape[0] in (2, Q_SEQ)
+    with pytest.raises(TypeError, match=re.escape(name) + ".*traced"):
+        eqx.filter_jit(call)(layer, jax.random.key(1))
+    # In inference mode the rate is not read, traced or not.
+    eqx.filter_jit(call)(eqx.nn.inference_mode(layer), None)

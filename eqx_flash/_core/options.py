@@ -81,6 +81,11 @@ def make_options(
     )
 
 
+# The options that decide the compiled kernels, as the modules hold them in static
+# fields of these names (`_nn.module_call.static_options`).
+KERNEL_OPTIONS = ("causal", "window", "scale", "softcap", "block_q", "block_k")
+
+
 def check_rate(name: str, value: Any) -> float:
     """A dropout probability in `[0, 1)`, as a Python float."""
     rate = _real(name, value, positive=False)

@@ -1,23 +1,17 @@
-"""Equinox modules: `FlashAttention` (parameter free) and `FlashMultiheadAttention`, a
-drop-in replacement for `eqx.nn.MultiheadAttention` with memory linear in the sequence.
-
-The modules validate their configuration once, in `__check_init__`, and leave every
-per-call shape check to `flash_attention`.
-"""
+"""`FlashMultiheadAttention`: a drop-in replacement for `eqx.nn.MultiheadAttention` with
+memory linear in the sequence, grouped-query attention and KV-cache decoding."""
 
 import typing
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from beartype import beartype
-from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, jaxtyped
+from jaxtyping import Array, Float, PRNGKeyArray, jaxtyped
 
-from .._api.flash import flash_attention
-from .._core.options import check_rate, make_options
+from .._core.options import make_options
 from .._core.types import (
     AlibiSlopes,
     Bias,
@@ -31,214 +25,21 @@ from .._core.types import (
     WindowLike,
 )
 from .._mods.block_mask import BlockMask
-from .._mods.tracing import AtPositions
-from .._nn.cache import KVCache
-
-# `(seq_k,)` key padding, `(seq_q, seq_k)` shared by all heads, or one per head.
-Mask = Bool[Array, "seq_k"] | Bool[Array, "seq_q seq_k"] | Bool[Array, "heads seq_q seq_k"]
-
-ProcessHeads = Callable[
-    [
-        Float[Array, "seq_q heads dim"],
-        Float[Array, "seq_k kv_heads dim"],
-        Float[Array, "seq_k kv_heads dim_v"],
-    ],
-    tuple[
-        Float[Array, "seq_q heads dim"],
-        Float[Array, "seq_k kv_heads dim"],
-        Float[Array, "seq_k kv_heads dim_v"],
-    ],
-]
-
-DecodeProcessHeads = Callable[
-    [
-        Float[Array, "n heads dim"],
-        Float[Array, "n kv_heads dim"],
-        Float[Array, "n kv_heads dim_v"],
-        Int[Array, " n"],
-    ],
-    tuple[
-        Float[Array, "n heads dim"],
-        Float[Array, "n kv_heads dim"],
-        Float[Array, "n kv_heads dim_v"],
-    ],
-]
-
-
-def _normalise_window(window: Any) -> Any:
-    # A list would make the static field unhashable; keep the user's form otherwise.
-    return tuple(window) if isinstance(window, list) else window
-
-
-def _check_dropout_p(name: str, p: Any) -> None:
-    # A traced or array-valued p (e.g. swapped in with eqx.tree_at) is checked at call time.
-    if isinstance(p, int | float) and not isinstance(p, bool):
-        check_rate(name, p)
-
-
-def _dropout_rate(p: Any, inference: bool, key: PRNGKeyArray | None) -> float:
-    """The rate to apply, following `eqx.nn.Dropout`: none in inference mode or at p = 0."""
-    if inference or (isinstance(p, int | float) and p == 0):
-        return 0.0
-    if key is None:
-        # RuntimeError, as eqx.nn.Dropout raises, so the module stays a drop-in.
-        raise RuntimeError(
-            "dropout needs a PRNG key when not in inference mode: pass key=..., "
-            "or switch dropout off with inference=True / eqx.nn.inference_mode"
-        )
-    return p
-
-
-def _per_call(
-    module: Any, q_lengths: Lengths | None, kv_lengths: Lengths | None, bias: Bias | None,
-    alibi_slopes: AlibiSlopes | None, score_mod: ScoreMod | None, mask_mod: MaskMod | None,
-    block_mask: BlockMask | None,
-) -> dict[str, Any]:
-    """`flash_attention`'s keywords given at call time; the `score_mod`/`mask_mod` given
-    then, else the module's."""
-    return dict(
-        q_lengths=q_lengths, kv_lengths=kv_lengths, bias=bias, alibi_slopes=alibi_slopes,
-        score_mod=module.score_mod if score_mod is None else score_mod,
-        mask_mod=module.mask_mod if mask_mod is None else mask_mod,
-        block_mask=block_mask,
-    )
-
-
-def _attend(
-    q: Array, k: Array, v: Array, mask: Array | None, options: dict[str, Any],
-    dropout_rate: float, key: PRNGKeyArray | None, per_call: dict[str, Any],
-) -> Array:
-    """Unbatched `(heads, seq_q, dim)` attention with an Equinox-style mask; `options`
-    are `flash_attention`'s static keywords, as the module's fields hold them, and
-    `per_call` its array keywords given at call time (lengths, bias, ALiBi slopes)."""
-    key_mask = attn_mask = None
-    if mask is not None:
-        if mask.ndim == 1:
-            key_mask = mask
-        else:
-            attn_mask = mask
-    out, _ = flash_attention(
-        q, k, v, key_mask, attn_mask=attn_mask, dropout_rate=dropout_rate,
-        key=key if dropout_rate else None, **options, **per_call,
-    )
-    return out
-
-
-@typing.final
-class FlashAttention(eqx.Module):
-    """Exact attention as a parameter-free module, with dropout on the attention weights.
-
-    Works on one example: `jax.vmap` it over a batch. Behaves as `flash_attention`
-    (which see for the meaning of each option); `dropout_p` and `inference` behave as in
-    `eqx.nn.Dropout`, so `eqx.nn.inference_mode` switches dropout off.
-    """
-
-    causal: bool = eqx.field(static=True)
-    window: WindowLike = eqx.field(static=True)
-    softcap: float | None = eqx.field(static=True)
-    scale: float | None = eqx.field(static=True)
-    block_q: int | None = eqx.field(static=True)
-    block_k: int | None = eqx.field(static=True)
-    # Not static, as in eqx.nn.Dropout: eqx.nn.inference_mode replaces `inference`.
-    dropout_p: float
-    inference: bool
-    # Not static: an `eqx.Module` modification (`RelativePositionBias`) trains with the
-    # model; a plain function is a non-array leaf (static under `eqx.filter_jit`).
-    score_mod: ScoreMod | None
-    mask_mod: MaskMod | None
-
-    def __init__(
-        self,
-        *,
-        causal: Flag = False,
-        window: WindowLike = None,
-        softcap: OptionalReal = None,
-        scale: OptionalReal = None,
-        block_q: BlockSize = None,
-        block_k: BlockSize = None,
-        dropout_p: RealNumber = 0.0,
-        inference: bool = False,
-        score_mod: ScoreMod | None = None,
-        mask_mod: MaskMod | None = None,
-    ):
-        """**Arguments:**
-
-        - `causal`: query `i` attends to keys `j <= i + seq_k - seq_q` (bottom-right).
-        - `window`: `(left, right)` or `w` for `(w, w)`, a sliding window around the
-            aligned position; `None` is unbounded.
-        - `softcap`: if given, logits become `softcap * tanh(logits / softcap)`.
-        - `scale`: logit scale, default `1/sqrt(dim)`.
-        - `block_q`, `block_k`: block sizes (default: tuned for CPU).
-        - `dropout_p`: dropout probability on the attention weights, in `[0, 1)`.
-        - `inference`: if `True`, no dropout. Overridable per call.
-        - `score_mod`, `mask_mod`: as in `flash_attention` (the module works on one
-            example, so `batch` is 0); an `eqx.Module` such as `RelativePositionBias`
-            trains with the model. Replaceable per call.
-        """
-        self.score_mod = score_mod
-        self.mask_mod = mask_mod
-        self.causal = causal
-        self.window = _normalise_window(window)
-        self.softcap = softcap
-        self.scale = scale
-        self.block_q = block_q
-        self.block_k = block_k
-        self.dropout_p = dropout_p
-        self.inference = inference
-
-    def __check_init__(self):
-        make_options(**self._options())
-        _check_dropout_p("dropout_p", self.dropout_p)
-
-    @jaxtyped(typechecker=beartype)
-    def __call__(
-        self,
-        q: Float[Array, "heads seq_q dim"],
-        k: Float[Array, "kv_heads seq_k dim"],
-        v: Float[Array, "kv_heads seq_k dim_v"],
-        mask: Mask | None = None,
-        *,
-        key: PRNGKeyArray | None = None,
-        inference: bool | None = None,
-        q_lengths: Lengths | None = None,
-        kv_lengths: Lengths | None = None,
-        bias: Bias | None = None,
-        alibi_slopes: AlibiSlopes | None = None,
-        score_mod: ScoreMod | None = None,
-        mask_mod: MaskMod | None = None,
-        block_mask: BlockMask | None = None,
-    ) -> Float[Array, "heads seq_q dim_v"]:
-        """**Arguments:**
-
-        - `q`: queries `(heads, seq_q, dim)`.
-        - `k`: keys `(kv_heads, seq_k, dim)`; `kv_heads` divides `heads` (GQA/MQA).
-        - `v`: values `(kv_heads, seq_k, dim_v)`.
-        - `mask`: `True` attends: a key-padding mask `(seq_k,)`, or `(seq_q, seq_k)`, or
-            per head `(heads, seq_q, seq_k)`.
-        - `key`: PRNG key for dropout (needed unless dropout is off).
-        - `inference`: overrides `self.inference` for this call.
-        - `q_lengths`, `kv_lengths`, `bias`, `alibi_slopes`: as in `flash_attention`, for
-            this one example: the lengths are integer scalars (`vmap` them with the batch),
-            `bias` broadcasts to `(heads, seq_q, seq_k)`, `alibi_slopes` is `(heads,)`.
-        - `score_mod`, `mask_mod`: for this call instead of the module's.
-        - `block_mask`: `make_block_mask(mask_mod, (), heads, seq_q, seq_k, block_q,
-            block_k)` of the `mask_mod` in use, for this example's sizes.
-
-        **Returns:**
-
-        `(heads, seq_q, dim_v)` in q's dtype. A query that may attend to no key gets 0.
-        """
-        inference = self.inference if inference is None else inference
-        rate = _dropout_rate(self.dropout_p, inference, key)
-        return _attend(
-            q, k, v, mask, self._options(), rate, key,
-            _per_call(self, q_lengths, kv_lengths, bias, alibi_slopes, score_mod, mask_mod,
-                      block_mask),
-        )
-
-    def _options(self) -> dict[str, Any]:
-        return dict(causal=self.causal, window=self.window, softcap=self.softcap,
-                    scale=self.scale, block_q=self.block_q, block_k=self.block_k)
+from .cache import KVCache
+from .cache_decoding import decode_with_cache
+from .module_call import (
+    DecodeProcessHeads,
+    Mask,
+    ProcessHeads,
+    attend_heads,
+    check_dropout_p,
+    dropout_rate,
+    normalise_window,
+    per_call_arrays,
+    process,
+    project,
+    static_options,
+)
 
 
 @typing.final
@@ -370,7 +171,7 @@ class FlashMultiheadAttention(eqx.Module):
         self.use_value_bias = use_value_bias
         self.use_output_bias = use_output_bias
         self.causal = causal
-        self.window = _normalise_window(window)
+        self.window = normalise_window(window)
         self.softcap = softcap
         self.block_q = block_q
         self.block_k = block_k
@@ -381,12 +182,8 @@ class FlashMultiheadAttention(eqx.Module):
         _check_heads(self.num_heads, self.num_kv_heads)
         _check_sizes(**{name: getattr(self, name) for name in (
             "query_size", "key_size", "value_size", "output_size", "qk_size", "vo_size")})
-        make_options(**self._options())
-        _check_dropout_p("dropout_p", self.dropout.p)
-
-    def _options(self) -> dict[str, Any]:
-        return dict(causal=self.causal, window=self.window, softcap=self.softcap,
-                    block_q=self.block_q, block_k=self.block_k)
+        make_options(**static_options(self))
+        check_dropout_p("dropout_p", self.dropout.p)
 
     @classmethod
     def from_eqx(
@@ -503,24 +300,18 @@ class FlashMultiheadAttention(eqx.Module):
                     f"{x.shape}"
                 )
         with jax.named_scope("eqx_flash.FlashMultiheadAttention"):
-            q = _project(self.query_proj, query, self.num_heads)
-            k = _project(self.key_proj, key_, self.num_kv_heads)
-            v = _project(self.value_proj, value, self.num_kv_heads)
+            q = project(self.query_proj, query, self.num_heads)
+            k = project(self.key_proj, key_, self.num_kv_heads)
+            v = project(self.value_proj, value, self.num_kv_heads)
             if process_heads is not None:
-                shapes = (q.shape, k.shape, v.shape)
-                q, k, v = process_heads(q, k, v)
-                if (q.shape, k.shape, v.shape) != shapes:
-                    raise ValueError(
-                        "process_heads must not change the shape of the heads; got "
-                        f"{(q.shape, k.shape, v.shape)} from {shapes}"
-                    )
+                q, k, v = process(process_heads, q, k, v)
             inference = self.dropout.inference if inference is None else inference
-            rate = _dropout_rate(self.dropout.p, inference, key)
-            heads = _attend(
+            rate = dropout_rate("dropout.p", self.dropout.p, inference, key)
+            heads = attend_heads(
                 jnp.swapaxes(q, 0, 1), jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1), mask,
-                self._options(), rate, key,
-                _per_call(self, q_lengths, kv_lengths, bias, alibi_slopes, score_mod,
-                          mask_mod, block_mask),
+                static_options(self), rate, key,
+                per_call_arrays(self, q_lengths, kv_lengths, bias, alibi_slopes, score_mod,
+                                mask_mod, block_mask),
             )
             attn = jnp.swapaxes(heads, 0, 1).reshape(query.shape[0], -1)
             return jax.vmap(self.output_proj)(attn)
@@ -580,67 +371,7 @@ class FlashMultiheadAttention(eqx.Module):
         `ValueError` if the cache does not fit the layer, or is rolling while the layer's
         window is not causal or reaches further back than the buffer.
         """
-        expected = (self.num_kv_heads, self.qk_size, self.vo_size)
-        got = (cache.k.shape[0], cache.k.shape[2], cache.v.shape[2])
-        if got != expected:
-            raise ValueError(
-                f"cache must have (kv_heads, dim, dim_v) = {expected} for this layer; got "
-                f"cache.k.shape={cache.k.shape}, cache.v.shape={cache.v.shape}"
-            )
-        if x.shape[-1] != self.query_size:
-            raise ValueError(f"x must have shape (n, {self.query_size}); got x.shape={x.shape}")
-        n = x.shape[0]
-        with jax.named_scope("eqx_flash.FlashMultiheadAttention.decode"):
-            q = _project(self.query_proj, x, self.num_heads)
-            k = _project(self.key_proj, x, self.num_kv_heads)
-            v = _project(self.value_proj, x, self.num_kv_heads)
-            positions = cache.length + jnp.arange(n, dtype=jnp.int32)
-            if process_heads is not None:
-                shapes = (q.shape, k.shape, v.shape)
-                q, k, v = process_heads(q, k, v, positions)
-                if (q.shape, k.shape, v.shape) != shapes:
-                    raise ValueError(
-                        "process_heads must not change the shape of the heads; got "
-                        f"{(q.shape, k.shape, v.shape)} from {shapes}"
-                    )
-            q, k, v = (jnp.swapaxes(x_, 0, 1) for x_ in (q, k, v))
-            blocks: dict[str, Any] = dict(block_q=self.block_q, block_k=self.block_k,
-                                          softcap=self.softcap)
-            if cache.window is None:
-                # Write first, then attend to the valid prefix: causal/window align on it.
-                mods = self._mods_at(positions[0], None)
-                cache = cache.append(k, v)
-                heads, _ = flash_attention(q, cache.k, cache.v, kv_lengths=cache.length,
-                                           causal=self.causal, window=self.window, **blocks,
-                                           **mods)
-            else:
-                window = make_options(**self._options()).window
-                if window.right != 0 or window.left is None or window.left >= cache.size:
-                    raise ValueError(
-                        f"a rolling cache of {cache.size} entries needs a causal layer whose "
-                        f"window reaches back at most {cache.size - 1} tokens; got "
-                        f"causal={self.causal}, window={self.window!r}"
-                    )
-                # Attend to the buffer and the new tokens by absolute position, then write.
-                key_pos = jnp.concatenate([cache.positions(), positions])
-                rel = positions[:, None] - key_pos[None, :]
-                allowed = (key_pos[None, :] >= 0) & (rel >= 0) & (rel <= window.left)
-                heads, _ = flash_attention(
-                    q, jnp.concatenate([cache.k, k.astype(cache.k.dtype)], axis=1),
-                    jnp.concatenate([cache.v, v.astype(cache.v.dtype)], axis=1),
-                    attn_mask=allowed, **blocks,
-                    **self._mods_at(positions[0], jnp.maximum(key_pos, 0)),
-                )
-                cache = cache.append(k, v)
-            attn = jnp.swapaxes(heads, 0, 1).reshape(n, -1)
-            return jax.vmap(self.output_proj)(attn), cache
-
-
-    def _mods_at(self, q_offset: Array, kv_positions: Array | None) -> dict[str, Any]:
-        """The layer's `score_mod`/`mask_mod` for `decode`, at the tokens' absolute
-        positions (`AtPositions`): as `self(x_all, ...)` would call them for these rows."""
-        return {name: None if mod is None else AtPositions(mod, q_offset, kv_positions)
-                for name, mod in (("score_mod", self.score_mod), ("mask_mod", self.mask_mod))}
+        return decode_with_cache(self, x, cache, process_heads)
 
 
 def _check_heads(num_heads: Any, num_kv_heads: Any) -> None:
@@ -661,7 +392,3 @@ def _check_sizes(**sizes: Any) -> None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError(f"{name} must be a positive int; got {name}={value!r}")
-
-
-def _project(proj: eqx.nn.Linear, x: Array, heads: int) -> Array:
-    return jax.vmap(proj)(x).reshape(x.shape[0], heads, -1)
