@@ -6,7 +6,7 @@
 Decode: one query token, batch 1, 8 query heads on 2 kv heads, dim 64, float32, a cache
 of each length (half of it valid, the rest padding): time per token of
 `flash_attention(..., kv_lengths=)` (the flash-decoding path), of the regular blockwise
-path on the same problem (`DECODE_MAX_Q` lowered so the split is not taken), and of
+path on the same problem (`SPLIT_K_MAX_Q` lowered so the split is not taken), and of
 `jax.nn.dot_product_attention(..., key_value_seq_lengths=)` (materialised XLA); and the
 bytes of valid K and V read per second against a large-array copy measured in the same
 run.
@@ -66,11 +66,11 @@ def decode(lengths: list[int], rounds: int) -> None:
         v = jax.random.normal(keys[2], (1, 2, n, 64))
         valid = jnp.array([n // 2], jnp.int32)
         split = jax.jit(lambda q, k, v, n: flash_attention(q, k, v, kv_lengths=n)[0])
-        old = config.DECODE_MAX_Q
-        config.DECODE_MAX_Q = 0  # the regular path, compiled now
+        old = config.SPLIT_K_MAX_Q
+        config.SPLIT_K_MAX_Q = 0  # the regular path, compiled now
         regular = jax.jit(lambda q, k, v, n: flash_attention(q, k, v, kv_lengths=n)[0])
         jax.block_until_ready(regular(q, k, v, valid))
-        config.DECODE_MAX_Q = old
+        config.SPLIT_K_MAX_Q = old
 
         def xla(q, k, v, n):
             # jax.nn wants (batch, seq, heads, dim)

@@ -230,7 +230,7 @@ def test_decode_path_is_taken(monkeypatch):
     """Few queries against many key blocks run `split_k_forward` (flash-decoding), others
     the regular forward."""
     import eqx_flash._api.flash as flash_module
-    from eqx_flash._core.config import DECODE_MAX_Q, KernelConfig, decode_splits
+    from eqx_flash._core.config import SPLIT_K_MAX_Q, KernelConfig, num_splits
     from eqx_flash._core.options import Window
 
     calls = []
@@ -247,8 +247,8 @@ def test_decode_path_is_taken(monkeypatch):
         flash_attention(q, k, v, block_k=64)
     assert [c.seq_q for c in calls] == [1, 3, 16]
     assert all(c.splits == 4 for c in calls)
-    q, k, v = _qkv(DECODE_MAX_Q + 1, 3 * 64 + 5)
+    q, k, v = _qkv(SPLIT_K_MAX_Q + 1, 3 * 64 + 5)
     flash_attention(q, k, v, block_k=64)
     assert len(calls) == 3
     cfg = KernelConfig(seq_q=1, seq_k=64, block_q=1, block_k=64, window=Window(), scale=1.0)
-    assert decode_splits(cfg) == 1  # a single key block: nothing to split
+    assert num_splits(cfg) == 1  # a single key block: nothing to split

@@ -19,7 +19,7 @@ from beartype import beartype
 from jaxtyping import Array, PRNGKeyArray, jaxtyped
 
 from .._autodiff.derivatives import with_custom_derivatives
-from .._core.config import KernelConfig, decode_config, kernel_config, kernel_dtype, stat_dtype
+from .._core.config import KernelConfig, kernel_config, kernel_dtype, split_k_config, stat_dtype
 from .._core.operands import (
     Operands,
     combine,
@@ -61,7 +61,7 @@ from .binder import Bound, bind
 
 def _primal_kernel(cfg: KernelConfig, q, k, v, ops: Operands):
     """The forward kernel for `cfg`: split-K (flash-decoding) where it applies
-    (`_core.config.decode_splits`), else the regular one."""
+    (`_core.config.num_splits`), else the regular one."""
     if split_k_applies(cfg, ops):
         return split_k_forward(cfg, q, k, v, ops)
     return forward(cfg, q, k, v, ops)
@@ -87,7 +87,7 @@ def prepare_kernels(bound: Bound) -> tuple[KernelConfig, Operands]:
     elif bound.mask_mod is not None:
         ops = replace(ops, block_flags=derived_flags(
             bound.mask_mod, shapes, cfg.block_q, cfg.block_k))
-    cfg = decode_config(cfg) if mods is None else dataclasses.replace(cfg, mods=mods)
+    cfg = split_k_config(cfg) if mods is None else dataclasses.replace(cfg, mods=mods)
     return cfg, ops
 
 

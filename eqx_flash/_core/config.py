@@ -143,26 +143,26 @@ def stat_dtype(dtype) -> jnp.dtype:
 
 
 # Flash-decoding (`_kernels.split_k`): a call with at most this many queries against at least
-# `DECODE_MIN_BLOCKS` key blocks splits its key blocks into parallel runs.
-DECODE_MAX_Q = 16
-DECODE_MIN_BLOCKS = 2
-DECODE_SPLITS = 8
+# `SPLIT_K_MIN_BLOCKS` key blocks splits its key blocks into parallel runs.
+SPLIT_K_MAX_Q = 16
+SPLIT_K_MIN_BLOCKS = 2
+SPLIT_K_MAX_SPLITS = 8
 
 
-def decode_splits(cfg: KernelConfig) -> int:
-    """How many parallel runs the key blocks of `cfg` are split into: `DECODE_SPLITS` (at
-    most one per key block) when `seq_q <= DECODE_MAX_Q` and there are at least
-    `DECODE_MIN_BLOCKS` key blocks, else 1 (the regular forward)."""
+def num_splits(cfg: KernelConfig) -> int:
+    """How many parallel runs the key blocks of `cfg` are split into: `SPLIT_K_MAX_SPLITS` (at
+    most one per key block) when `seq_q <= SPLIT_K_MAX_Q` and there are at least
+    `SPLIT_K_MIN_BLOCKS` key blocks, else 1 (the regular forward)."""
     num_k = -(-cfg.seq_k // cfg.block_k)
-    if cfg.seq_q > DECODE_MAX_Q or num_k < DECODE_MIN_BLOCKS:
+    if cfg.seq_q > SPLIT_K_MAX_Q or num_k < SPLIT_K_MIN_BLOCKS:
         return 1
-    return min(DECODE_SPLITS, num_k)
+    return min(SPLIT_K_MAX_SPLITS, num_k)
 
 
-def decode_config(cfg: KernelConfig) -> KernelConfig:
-    """`cfg` with `splits` set (`decode_splits`) and, when split, `block_k` evened out so
+def split_k_config(cfg: KernelConfig) -> KernelConfig:
+    """`cfg` with `splits` set (`num_splits`) and, when split, `block_k` evened out so
     that the key blocks fill whole rounds of `splits` blocks (at most `block_k` still)."""
-    splits = decode_splits(cfg)
+    splits = num_splits(cfg)
     if splits == 1:
         return cfg
     rounds = -(-cfg.seq_k // (splits * cfg.block_k))

@@ -8,7 +8,7 @@ the code that moves operands around (padding, slicing per head, sharding, the ri
 derivative wiring) reads the metadata and never names a field; only the code where an
 operand acts (`_semantics`, the kernels' per-block math, the reference) reads it by name.
 
-Layouts (`Layout`):
+Layouts (`OperandLayout`):
 
 - `GRID`: `(batch|1, kv_heads|1, groups|1, seq_q|1, seq_k|1)`, the internal layout of
   `_core.shapes`, size 1 wherever it broadcasts: padded to whole blocks along the
@@ -28,10 +28,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-Layout = Literal["grid", "blocks", "shared"]
-GRID: Layout = "grid"
-BLOCKS: Layout = "blocks"
-SHARED: Layout = "shared"
+OperandLayout = Literal["grid", "blocks", "shared"]
+GRID: OperandLayout = "grid"
+BLOCKS: OperandLayout = "blocks"
+SHARED: OperandLayout = "shared"
 
 # How the binder checks a public array argument and brings it into the field's layout
 # (`_api.binder.bind_array`):
@@ -46,7 +46,7 @@ Kind = Literal["keys", "pairs", "query_ids", "key_ids", "query_lengths", "key_le
                "float_pairs", "per_head"]
 
 
-def _operand(layout: Layout, *, argument: str | None = None, kind: Kind | None = None,
+def _operand(layout: OperandLayout, *, argument: str | None = None, kind: Kind | None = None,
              differentiable: bool = False) -> Any:
     return eqx.field(default=None, metadata=dict(
         layout=layout, argument=argument, kind=kind, differentiable=differentiable))
@@ -108,7 +108,7 @@ FIELDS = tuple(f.name for f in dataclasses.fields(Operands))
 _METADATA = {f.name: f.metadata for f in dataclasses.fields(Operands)}
 
 
-def layout_of(name: str) -> Layout:
+def layout_of(name: str) -> OperandLayout:
     return _metadata(name)["layout"]
 
 

@@ -12,7 +12,7 @@ q may also be a bare `(seq_q, dim)` matrix with no leading axes at all, so each 
 v, out and lse is a union of that form and the batched one. jaxtyping rolls back the
 axes bound by a failed alternative, so names still bind consistently across arguments.
 What a shape string cannot say (`kv_heads` divides `heads`; q and k have the same
-number of axes; mask leading axes broadcast against q's) is checked in `_validation`,
+number of axes; mask leading axes broadcast against q's) is checked in `_api.binder`,
 which also runs when jaxtyping's checks are switched off.
 """
 
@@ -44,7 +44,7 @@ KeyMask: TypeAlias = Bool[AnyArray, "... seq_k"] | Integer[AnyArray, "... seq_k"
 PairMask: TypeAlias = (
     Bool[AnyArray, "... #seq_q #seq_k"] | Integer[AnyArray, "... #seq_q #seq_k"]
 )
-# Valid lengths `(*batch,)`: any dtype here, so that `_validation.check_lengths` names the
+# Valid lengths `(*batch,)`: any dtype here, so that `_api.binder` names the
 # argument in its message for a non-integer one.
 Lengths: TypeAlias = Shaped[AnyArray, "..."]
 QuerySegmentIds: TypeAlias = Integer[AnyArray, "... seq_q"]

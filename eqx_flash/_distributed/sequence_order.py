@@ -2,8 +2,9 @@
 
 `"contiguous"`: device `i` holds the `i`-th slice. `"zigzag"`: the sequence is cut into
 `2n` chunks and device `i` holds chunks `i` and `2n-1-i` (balances causal work).
-`"striped"`: device `i` holds tokens `i, i+n, i+2n, ...`. The ring kernel (`_ring`) reads
-`subchunks`/`chunk_index`; `to_ring_layout`/`from_ring_layout` reorder global arrays.
+`"striped"`: device `i` holds tokens `i, i+n, i+2n, ...`. The ring kernel
+(`_distributed.ring`) reads `subchunks`/`chunk_index`; `to_ring_layout`/`from_ring_layout`
+reorder global arrays.
 """
 
 from collections.abc import Hashable

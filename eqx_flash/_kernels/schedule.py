@@ -152,7 +152,7 @@ def oriented_flags(ops: Operands, by: str) -> Array | None:
 
 def length_limits(cfg: KernelConfig, ops: Operands, by: str) -> tuple[Array, Array] | None:
     """Per outer block, the inner blocks `[lo, hi)` that the valid lengths (and the window
-    aligned on them, `_masking.length_mask`) let attend; None without lengths. Exact at
+    aligned on them, `_semantics.masking.length_mask`) let attend; None without lengths. Exact at
     block granularity: key blocks wholly past `kv_len` and query blocks wholly past `q_len`
     are never visited, so a padded batch costs its real lengths. `ops` are one head's
     (`heads.Head`), lengths `(1, 1, 1)`."""

@@ -69,7 +69,7 @@ def _accepts(fn: Callable[..., Any], name: str) -> bool:
     return any(p.kind is p.VAR_KEYWORD or p.name == name for p in params)
 
 
-def _evaluate(fn, static, q, k, v, arrays, weights, grads: bool):
+def _values_and_grads(fn, static, q, k, v, arrays, weights, grads: bool):
     """`out`, `lse` (or None) and, with `grads`, the gradients with respect to q, k, v
     and every floating array argument (a bias, ALiBi slopes; `DIFFERENTIABLE`) of
     `sum(w * out) + sum(u * lse over its finite entries)` for `weights = (w, u)`."""
@@ -91,8 +91,6 @@ def _evaluate(fn, static, q, k, v, arrays, weights, grads: bool):
     return out, lse, {"dq": dq, "dk": dk, "dv": dv, **named}
 
 
-_evaluate_jit = jax.jit(_evaluate, static_argnums=(0, 1, 7))
-
 
 def _evaluate_jvp(fn, static, q, k, v, arrays, tangents):
     """Tangents of `out` and `lse` (or None) along `tangents = (dq, dk, dv, d_free)`,
@@ -107,26 +105,6 @@ def _evaluate_jvp(fn, static, q, k, v, arrays, tangents):
     _, (d_out, d_lse) = jax.jvp(call, (q, k, v, free), (*d_qkv, d_free))
     return d_out, d_lse
 
-
-_evaluate_jvp_jit = jax.jit(_evaluate_jvp, static_argnums=(0, 1))
-
-
-def _run_jvp(fn, kwargs: Mapping[str, Any], q, k, v, tangents, jit: bool):
-    kwargs = {
-        name: value
-        for name, value in kwargs.items()
-        if name not in ("block_q", "block_k") or _accepts(fn, name)
-    }
-    arrays, static = _split_kwargs(kwargs)
-    if not jit:
-        return _evaluate_jvp(fn, static, q, k, v, arrays, tangents)
-    try:
-        hash((fn, static))
-    except TypeError:
-        return jax.jit(functools.partial(_evaluate_jvp, fn, static))(
-            q, k, v, arrays, tangents
-        )
-    return _evaluate_jvp_jit(fn, static, q, k, v, arrays, tangents)
 
 
 def _tangents(inputs: "AttentionInputs", seed: int) -> tuple[Any, ...]:
@@ -145,7 +123,20 @@ def _tangents(inputs: "AttentionInputs", seed: int) -> tuple[Any, ...]:
     return (*d_qkv, free)
 
 
-def _run(fn, kwargs: Mapping[str, Any], q, k, v, weights, grads: bool, jit: bool):
+def _evaluate(fn, static, q, k, v, arrays, extra, mode: str) -> Any:
+    """`mode` "values" or "grads": `_values_and_grads` with weights `extra`; "jvp":
+    `_evaluate_jvp` along tangents `extra`."""
+    if mode == "jvp":
+        return _evaluate_jvp(fn, static, q, k, v, arrays, extra)
+    return _values_and_grads(fn, static, q, k, v, arrays, extra, mode == "grads")
+
+
+_evaluate_jit = jax.jit(_evaluate, static_argnums=(0, 1, 7))
+
+
+def _run(fn, kwargs: Mapping[str, Any], q, k, v, extra, mode: str, jit: bool) -> Any:
+    """`_evaluate` of `fn` on the problem, compiled (and cached by `fn` and the static
+    settings) unless `jit` is False."""
     kwargs = {
         name: value
         for name, value in kwargs.items()
@@ -153,14 +144,14 @@ def _run(fn, kwargs: Mapping[str, Any], q, k, v, weights, grads: bool, jit: bool
     }
     arrays, static = _split_kwargs(kwargs)
     if not jit:
-        return _evaluate(fn, static, q, k, v, arrays, weights, grads)
+        return _evaluate(fn, static, q, k, v, arrays, extra, mode)
     try:
         hash((fn, static))
     except TypeError:  # unhashable settings: compile this once, uncached
         return jax.jit(functools.partial(_evaluate, fn, static), static_argnums=(5,))(
-            q, k, v, arrays, weights, grads
+            q, k, v, arrays, extra, mode
         )
-    return _evaluate_jit(fn, static, q, k, v, arrays, weights, grads)
+    return _evaluate_jit(fn, static, q, k, v, arrays, extra, mode)
 
 
 def _weights(inputs: "AttentionInputs", seed: int) -> tuple[Array, Array]:
@@ -255,10 +246,12 @@ def check_attention(
     tol = tolerance if tolerance is not None else TOLERANCES[jnp.dtype(inputs.q.dtype)]
     q, k, v = inputs.q, inputs.k, inputs.v
     weights = _weights(inputs, seed)
-    out, lse, grad = _run(fn, inputs.kwargs, q, k, v, weights, grads, jit)
+    mode = "grads" if grads else "values"
+    out, lse, grad = _run(fn, inputs.kwargs, q, k, v, weights, mode, jit)
     if lse is None:  # `fn` returns only `out`: leave lse out of the linear function too
         weights = (weights[0], jnp.zeros_like(weights[1]))
-    ref_out, ref_lse, ref_grad = _run(reference, inputs.kwargs, q, k, v, weights, grads, jit)
+    ref_out, ref_lse, ref_grad = _run(reference, inputs.kwargs, q, k, v, weights, mode,
+                                       jit)
     problems = []
     if jnp.dtype(out.dtype) != jnp.dtype(ref_out.dtype):
         problems.append(f"out: dtype {out.dtype}, expected {ref_out.dtype}")
@@ -278,8 +271,9 @@ def check_attention(
             )
     if jvp:
         tangents = _tangents(inputs, seed)
-        d_out, d_lse = _run_jvp(fn, inputs.kwargs, q, k, v, tangents, jit)
-        ref_d_out, ref_d_lse = _run_jvp(reference, inputs.kwargs, q, k, v, tangents, jit)
+        d_out, d_lse = _run(fn, inputs.kwargs, q, k, v, tangents, "jvp", jit)
+        ref_d_out, ref_d_lse = _run(reference, inputs.kwargs, q, k, v, tangents,
+                                          "jvp", jit)
         pairs = [("d_out", d_out, ref_d_out)]
         if d_lse is not None and ref_d_lse is not None:
             pairs.append(("d_lse", d_lse, ref_d_lse))
