@@ -73,6 +73,17 @@ def normal(key, shape, dtype=jnp.float32, std=1.0):
     return _normal(key, tuple(shape), jnp.dtype(dtype), jnp.float32(std))
 
 
+def seeded_normal(seed: int, shape, dtype=jnp.float32):
+    """Standard normal values from NumPy's generator `seed` (the same on every jax)."""
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
+
+
+def seeded_qkv(q_shape, k_shape, v_shape=None, dtype=jnp.float32):
+    """q, k, v from `seeded_normal` seeds 0, 1, 2 (v defaults to k's shape)."""
+    return (seeded_normal(0, q_shape, dtype), seeded_normal(1, k_shape, dtype),
+            seeded_normal(2, k_shape if v_shape is None else v_shape, dtype))
+
+
 def qkv(key, q_shape, k_shape, dim_v=None, dtype=jnp.float32):
     """Standard normal q `q_shape`, k `k_shape` and v (k's shape with last axis `dim_v`,
     default k's), drawn in float32 and cast to `dtype`. `key` may be an int seed."""
@@ -83,19 +94,48 @@ def qkv(key, q_shape, k_shape, dim_v=None, dtype=jnp.float32):
     return normal(kq, q_shape, dtype), normal(kk, k_shape, dtype), normal(kv, v_shape, dtype)
 
 
+def linear_in_outputs(out, lse, w_out, w_lse):
+    """`sum(w_out * out) + sum(w_lse * lse over its finite entries)`, in at least float32:
+    a random linear function of both outputs, so that both cotangents are exercised."""
+    # At least float32 (half-precision sums), float64 kept for the x64 tests.
+    wide = jnp.float64 if out.dtype == jnp.float64 else jnp.float32
+    finite_lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    return (jnp.sum(out.astype(wide) * w_out.astype(wide))
+            + jnp.sum(finite_lse.astype(wide) * w_lse.astype(wide)))
+
+
 def linear_loss(fn, weights_key, **kwargs):
-    """A random linear function of out and of the finite lse: exercises both cotangents."""
+    """`linear_in_outputs` of `fn(q, k, v, **kwargs)`, weights drawn from `weights_key`."""
 
     def loss(q, k, v):
         out, lse = fn(q, k, v, **kwargs)
-        # At least float32 (half-precision sums), float64 kept for the x64 tests.
         wide = jnp.float64 if out.dtype == jnp.float64 else jnp.float32
         w_out = jax.random.normal(weights_key, out.shape, wide)
         w_lse = jax.random.normal(jax.random.fold_in(weights_key, 1), lse.shape, wide)
-        finite_lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
-        return jnp.sum(out.astype(wide) * w_out) + jnp.sum(finite_lse.astype(wide) * w_lse)
+        return linear_in_outputs(out, lse, w_out, w_lse)
 
     return loss
+
+
+def seeded_linear_loss(fn, *args, **kwargs):
+    """`(loss, (out, lse))`: `linear_in_outputs` of `(out, lse) = fn(*args, **kwargs)` with
+    fixed weights (`seeded_normal` seeds 3 and 4)."""
+    out, lse = fn(*args, **kwargs)
+    w_out, w_lse = seeded_normal(3, out.shape), seeded_normal(4, lse.shape)
+    return linear_in_outputs(out, lse, w_out, w_lse), (out, lse)
+
+
+def values_and_grads(fn, *args, **kwargs):
+    """`((out, lse), grads)`: `fn(*args, **kwargs)` and the gradients of
+    `seeded_linear_loss` with respect to every positional argument, as one compiled
+    program."""
+
+    def loss(*args):
+        return seeded_linear_loss(fn, *args, **kwargs)
+
+    grad = jax.jit(jax.grad(loss, argnums=tuple(range(len(args))), has_aux=True))
+    grads, outputs = grad(*args)
+    return outputs, grads
 
 
 def outputs_and_grads(fn, q, k, v, weights_key, **kwargs):

@@ -21,9 +21,7 @@ import eqx_flash
 
 B, H, KH, SQ, SK, D, DV = 2, 4, 2, 8, 12, 16, 8
 
-
-def _normal(shape, dtype=jnp.float32):
-    return normal(jax.random.key(0), shape, dtype)
+KEY = jax.random.key(0)
 
 
 def _good() -> dict[str, Any]:
@@ -67,18 +65,18 @@ CASES = [
     Case("q-int", {"q": jnp.ones((B, H, SQ, D), jnp.int32)}, "q", T, T),
     Case("k-int", {"k": jnp.ones((B, KH, SK, D), jnp.int32)}, "k", T, T),
     Case("v-bool", {"v": jnp.ones((B, KH, SK, DV), bool)}, "v", T, T),
-    Case("k-other-float", {"k": _normal((B, KH, SK, D), jnp.bfloat16)}, "k", T, T),
-    Case("v-other-float", {"v": _normal((B, KH, SK, DV), jnp.float16)}, "v", T, T),
+    Case("k-other-float", {"k": normal(KEY, (B, KH, SK, D), jnp.bfloat16)}, "k", T, T),
+    Case("v-other-float", {"v": normal(KEY, (B, KH, SK, DV), jnp.float16)}, "v", T, T),
     # q, k, v: shapes
-    Case("head-dim", {"k": _normal((B, KH, SK, D + 1))}, "k", T, V),
-    Case("kv-seq", {"v": _normal((B, KH, SK + 1, DV))}, "v", T, V),
-    Case("kv-heads-divide", {"k": _normal((B, 3, SK, D)), "v": _normal((B, 3, SK, DV))},
+    Case("head-dim", {"k": normal(KEY, (B, KH, SK, D + 1))}, "k", T, V),
+    Case("kv-seq", {"v": normal(KEY, (B, KH, SK + 1, DV))}, "v", T, V),
+    Case("kv-heads-divide", {"k": normal(KEY, (B, 3, SK, D)), "v": normal(KEY, (B, 3, SK, DV))},
          "k", V, V),
-    Case("kv-heads-differ", {"v": _normal((B, 1, SK, DV))}, "v", T, V),
-    Case("batch", {"k": _normal((3, KH, SK, D)), "v": _normal((3, KH, SK, DV))}, "k", T, V),
-    Case("ndim", {"q": _normal((SQ, D))}, "q", V, V),
-    Case("q-1d", {"q": _normal((D,))}, "q", T, V),
-    Case("empty-seq", {"q": _normal((B, H, 0, D)), "attn_mask": None, "q_segment_ids": None,
+    Case("kv-heads-differ", {"v": normal(KEY, (B, 1, SK, DV))}, "v", T, V),
+    Case("batch", {"k": normal(KEY, (3, KH, SK, D)), "v": normal(KEY, (3, KH, SK, DV))}, "k", T, V),
+    Case("ndim", {"q": normal(KEY, (SQ, D))}, "q", V, V),
+    Case("q-1d", {"q": normal(KEY, (D,))}, "q", T, V),
+    Case("empty-seq", {"q": normal(KEY, (B, H, 0, D)), "attn_mask": None, "q_segment_ids": None,
                        "kv_segment_ids": None}, "q", V, V),
     # masks and segment ids
     Case("mask-seq", {"mask": jnp.ones((B, SK + 1), bool)}, "mask", T, V),

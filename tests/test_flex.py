@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import seeded_linear_loss, seeded_normal, seeded_qkv, values_and_grads
 from hypothesis import given, settings
 
 import eqx_flash
@@ -29,37 +30,18 @@ BLOCKS = dict(block_q=16, block_k=24)  # several blocks, neither length a multip
 OFFSET = SK - SQ
 
 
-def _normal(seed, shape, dtype=jnp.float32):
-    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
-
-
 def _qkv(heads=H, kv_heads=KH, seq_q=SQ, seq_k=SK):
-    return (_normal(0, (B, heads, seq_q, D)), _normal(1, (B, kv_heads, seq_k, D)),
-            _normal(2, (B, kv_heads, seq_k, D)))
+    return seeded_qkv((B, heads, seq_q, D), (B, kv_heads, seq_k, D))
 
 
 def _flash(*args, **kwargs):
     return flash_attention(*args, **BLOCKS, **kwargs)
 
 
-def _loss_parts(fn, q, k, v, **kwargs):
-    out, lse = fn(q, k, v, **kwargs)
-    w_out = _normal(3, out.shape)
-    w_lse = _normal(4, lse.shape)
-    finite = jnp.where(jnp.isfinite(lse), lse, 0.0)
-    return jnp.sum(out * w_out) + jnp.sum(finite * w_lse), (out, lse)
-
-
 def _values_and_grads(fn, q, k, v, params, make_kwargs):
     """out, lse and gradients w.r.t. q, k, v and `params` (what `make_kwargs(params)`
-    closes over) of a fixed random linear function of out and the finite lse."""
-
-    def loss(q, k, v, params):
-        return _loss_parts(fn, q, k, v, **make_kwargs(params))
-
-    grads, outputs = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
-        q, k, v, params)
-    return outputs, grads
+    closes over) of `seeded_linear_loss`."""
+    return values_and_grads(lambda q, k, v, p: fn(q, k, v, **make_kwargs(p)), q, k, v, params)
 
 
 def _assert_all_close(got, expected, atol=2e-5, rtol=2e-5):
@@ -101,8 +83,8 @@ def prefix_lm(prefix):
 
 
 SCORE_MODS = {
-    "relative_table": (relative_table, lambda: 0.5 * _normal(5, (H, SQ + SK + 1))),
-    "head_scaling": (head_scaling, lambda: 1.0 + 0.3 * _normal(6, (H,))),
+    "relative_table": (relative_table, lambda: 0.5 * seeded_normal(5, (H, SQ + SK + 1))),
+    "head_scaling": (head_scaling, lambda: 1.0 + 0.3 * seeded_normal(6, (H,))),
 }
 
 
@@ -138,7 +120,7 @@ def _by_hand(q, k, v, score, allowed):
 def test_against_hand_written_reference():
     """A relative-position score_mod with a document mask_mod, by hand in jnp."""
     q, k, v = _qkv(kv_heads=H)
-    table = 0.5 * _normal(5, (H, SQ + SK + 1))
+    table = 0.5 * seeded_normal(5, (H, SQ + SK + 1))
     q_docs = jnp.asarray(np.sort(np.random.default_rng(7).integers(0, 3, (B, SQ))))
     kv_docs = jnp.asarray(np.sort(np.random.default_rng(8).integers(0, 3, (B, SK))))
 
@@ -179,7 +161,7 @@ def test_mask_mod_matches_reference(name, with_block_mask):
     def flash(*a, **kw):
         return _flash(*a, block_mask=block_mask, **kw)
 
-    bias = _normal(13, (SQ, SK))
+    bias = seeded_normal(13, (SQ, SK))
     _assert_all_close(_values_and_grads(flash, q, k, v, bias, kwargs),
                       _values_and_grads(plain_attention, q, k, v, bias, kwargs))
 
@@ -191,13 +173,13 @@ def test_score_and_mask_mod_with_everything():
         q_segment_ids=jnp.asarray(np.sort(np.random.default_rng(9).integers(0, 2, (B, SQ)))),
         kv_segment_ids=jnp.asarray(np.sort(np.random.default_rng(10).integers(0, 2, (B, SK)))),
         alibi_slopes=jnp.asarray([0.3, 0.2, 0.1, 0.05]), softcap=5.0, dropout_rate=0.2,
-        key=jax.random.key(3), bias=_normal(14, (B, 1, SQ, SK)),
+        key=jax.random.key(3), bias=seeded_normal(14, (B, 1, SQ, SK)),
     )
 
     def kwargs(p):
         return dict(score_mod=relative_table(p), mask_mod=prefix_lm(8), **extra)
 
-    table = 0.5 * _normal(5, (H, SQ + SK + 1))
+    table = 0.5 * seeded_normal(5, (H, SQ + SK + 1))
     _assert_all_close(_values_and_grads(_flash, q, k, v, table, kwargs),
                       _values_and_grads(plain_attention, q, k, v, table, kwargs), atol=3e-5)
 
@@ -267,7 +249,7 @@ def test_causal_as_mask_mod(monkeypatch, seq_q, seq_k):
     counts = {}
     for name, kw in variants.items():
         def run(kw=kw):
-            return jax.grad(lambda q: _loss_parts(_flash, q, k, v, **kw)[0])(q)
+            return jax.grad(lambda q: seeded_linear_loss(_flash, q, k, v, **kw)[0])(q)
         counts[name] = counter.run(run)
     per_head = B * KH
     num_q, num_k = -(-seq_q // 16), -(-seq_k // 24)
@@ -358,7 +340,7 @@ def test_emptied_rows(how):
         rows = np.asarray(out)[:, [0, 2, 3], 3]
         assert np.all(rows == 0) and np.all(np.isneginf(np.asarray(lse)[:, [0, 2, 3], 3]))
         assert np.all(np.isfinite(np.asarray(lse)[:, 1]))
-        grads = jax.grad(lambda q, k, v, fn=fn: _loss_parts(fn, q, k, v, **kwargs)[0],
+        grads = jax.grad(lambda q, k, v, fn=fn: seeded_linear_loss(fn, q, k, v, **kwargs)[0],
                          argnums=(0, 1, 2))(q, k, v)
         assert all(bool(jnp.all(jnp.isfinite(g))) for g in grads)
         assert np.all(np.asarray(grads[0])[:, [0, 2, 3], 3] == 0)
@@ -374,7 +356,7 @@ def test_module_score_mod_gradients():
     rpb = RelativePositionBias(H, num_buckets=16, max_distance=32, key=jax.random.key(0))
 
     def loss(fn, mod):
-        return _loss_parts(fn, q, k, v, score_mod=mod)[0]
+        return seeded_linear_loss(fn, q, k, v, score_mod=mod)[0]
 
     got = eqx.filter_jit(eqx.filter_grad(lambda m: loss(_flash, m)))(rpb)
     eager = eqx.filter_grad(lambda m: loss(_flash, m))(rpb)
@@ -390,7 +372,7 @@ def test_vmap_and_closure_over_batched_arrays():
     equals the batched call."""
     q, k, v = _qkv()
     docs = jnp.asarray(np.sort(np.random.default_rng(16).integers(0, 3, (B, SK))))
-    gains = 1.0 + 0.2 * _normal(17, (B,))
+    gains = 1.0 + 0.2 * seeded_normal(17, (B,))
 
     def one(q, k, v, d, g):
         return _flash(q, k, v, mask_mod=lambda b, h, i, j: d[i + OFFSET] == d[j],
@@ -404,7 +386,7 @@ def test_vmap_and_closure_over_batched_arrays():
 
 def test_causal_flash_attention_and_bare_inputs():
     q, k, v = _qkv()
-    mod = relative_table(0.5 * _normal(5, (H, SQ + SK + 1)))
+    mod = relative_table(0.5 * seeded_normal(5, (H, SQ + SK + 1)))
     out, _ = causal_flash_attention(q, k, v, score_mod=mod, **BLOCKS)
     ref, _ = plain_attention(q, k, v, score_mod=mod, causal=True)
     np.testing.assert_allclose(out, ref, atol=2e-5)
@@ -560,8 +542,8 @@ def test_gradient_of_vmapped_bias_and_score_mod():
     """`jax.grad` of a loss over `jax.vmap` of the attention (the usual training step) works
     with the reverse-mode-only paths: bias and score_mod."""
     q, k, v = _qkv()
-    bias = _normal(18, (B, H, SQ, SK))
-    table = 0.5 * _normal(5, (H, SQ + SK + 1))
+    bias = seeded_normal(18, (B, H, SQ, SK))
+    table = 0.5 * seeded_normal(5, (H, SQ + SK + 1))
 
     def loss(fn, q, bias, table):
         out = jax.vmap(lambda q, k, v, b: fn(q, k, v, bias=b,
@@ -592,7 +574,8 @@ def test_checker_compares_score_mod_gradients():
     from eqx_flash.testing import AttentionInputs, HeadScaling
 
     q, k, v = _qkv()
-    inputs = AttentionInputs(q, k, v, dict(score_mod=HeadScaling(1.0 + 0.3 * _normal(6, (H,)))))
+    scaling = HeadScaling(1.0 + 0.3 * seeded_normal(6, (H,)))
+    inputs = AttentionInputs(q, k, v, dict(score_mod=scaling))
     check_attention(flash_attention, inputs)
 
     def frozen(q, k, v, score_mod, **kwargs):
@@ -605,7 +588,7 @@ def test_checker_compares_score_mod_gradients():
 def test_with_lengths_and_block_mask():
     """Variable lengths with a score_mod, a mask_mod and its block_mask."""
     q, k, v = _qkv()
-    table = 0.5 * _normal(5, (H, SQ + SK + 1))
+    table = 0.5 * seeded_normal(5, (H, SQ + SK + 1))
     mask_mod = MASK_MODS["random_blocks"]()
     block_mask = make_block_mask(mask_mod, (B,), H, SQ, SK, **BLOCKS)
     lengths = dict(q_lengths=jnp.asarray([SQ, 17]), kv_lengths=jnp.asarray([30, SK]))

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import seeded_normal, seeded_qkv
 from hypothesis import given, settings
 
 from eqx_flash import (
@@ -25,12 +26,8 @@ BLOCKS = dict(block_q=8, block_k=8)  # several blocks, neither length a multiple
 SECOND_ORDER = "second-order derivative of flash attention"
 
 
-def _normal(seed, shape):
-    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
-
-
 def _qkv():
-    return _normal(0, (B, H, SQ, D)), _normal(1, (B, KH, SK, D)), _normal(2, (B, KH, SK, D))
+    return seeded_qkv((B, H, SQ, D), (B, KH, SK, D))
 
 
 def _assert_tangents_close(got, expected, atol=2e-5):
@@ -57,7 +54,7 @@ def _jvp(fn, args, nonzero, **kwargs):
                   alibi_slopes=full["alibi_slopes"], **kwargs)
 
     primals = tuple(values[n] for n in diff)
-    tangents = tuple(_normal(10 + i, x.shape) for i, x in enumerate(primals))
+    tangents = tuple(seeded_normal(10 + i, x.shape) for i, x in enumerate(primals))
     return jax.jit(lambda p, t: jax.jvp(call, p, t))(primals, tangents)
 
 
@@ -80,8 +77,8 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_jvp_matches_plain_attention(name):
     bias_shape, slopes_shape, nonzero, options = CASES[name]
-    bias = None if bias_shape is None else _normal(7, bias_shape)
-    slopes = None if slopes_shape is None else 0.1 + jnp.abs(_normal(8, slopes_shape)) * 0.2
+    bias = None if bias_shape is None else seeded_normal(7, bias_shape)
+    slopes = None if slopes_shape is None else 0.1 + jnp.abs(seeded_normal(8, slopes_shape)) * 0.2
     args = (*_qkv(), bias, slopes)
     got = _jvp(flash_attention, args, nonzero.split(), **BLOCKS, **options)
     expected = _jvp(plain_attention, args, nonzero.split(), **options)
@@ -90,7 +87,7 @@ def test_jvp_matches_plain_attention(name):
 
 def test_causal_flash_attention_and_linearize():
     q, k, v = _qkv()
-    bias, slopes = _normal(7, (H, SQ, SK)), jnp.asarray([0.3, 0.2, 0.1, 0.05])
+    bias, slopes = seeded_normal(7, (H, SQ, SK)), jnp.asarray([0.3, 0.2, 0.1, 0.05])
 
     def flash(q, bias, slopes):
         return causal_flash_attention(q, k, v, bias=bias, alibi_slopes=slopes, **BLOCKS)
@@ -99,7 +96,7 @@ def test_causal_flash_attention_and_linearize():
         return plain_attention(q, k, v, bias=bias, alibi_slopes=slopes, causal=True)
 
     args = (q, bias, slopes)
-    tangents = tuple(_normal(20 + i, x.shape) for i, x in enumerate(args))
+    tangents = tuple(seeded_normal(20 + i, x.shape) for i, x in enumerate(args))
     primal, lin = jax.linearize(flash, *args)
     _assert_tangents_close((primal, lin(*tangents)), jax.jvp(plain, args, tangents))
 
@@ -107,7 +104,7 @@ def test_causal_flash_attention_and_linearize():
 def test_jacfwd_with_respect_to_the_bias():
     q, k, v = _qkv()
     q, k, v = q[:1, :2, :5, :4], k[:1, :1, :6, :4], v[:1, :1, :6, :4]
-    bias = _normal(9, (5, 6))
+    bias = seeded_normal(9, (5, 6))
 
     def jac(fn, **kwargs):
         return jax.jit(jax.jacfwd(lambda b: fn(q, k, v, bias=b, causal=True, **kwargs)))(bias)
@@ -135,7 +132,7 @@ def test_grad_runs_the_backward_kernel_for_what_is_asked(argnums):
     the differentiated arguments: a constant bias or slopes cost no accumulation (the
     kernel's `mods_wanted` comes from `which`). (The values: test_score_mods.py.)"""
     q, k, v = _qkv()
-    args = (q, k, v, _normal(7, (H, SQ, SK)), jnp.asarray([0.3, 0.2, 0.1, 0.05]))
+    args = (q, k, v, seeded_normal(7, (H, SQ, SK)), jnp.asarray([0.3, 0.2, 0.1, 0.05]))
 
     def loss(*a):
         out, _ = flash_attention(*a[:3], bias=a[3], alibi_slopes=a[4], causal=True, **BLOCKS)
@@ -154,7 +151,7 @@ def test_second_order_through_the_bias_raises_clearly():
         return jnp.sum(flash_attention(q, k, v, bias=bias, block_q=2, block_k=2)[0] ** 2)
 
     with pytest.raises(NotImplementedError, match=SECOND_ORDER):
-        jax.hessian(f)(_normal(9, (3, 4)))
+        jax.hessian(f)(seeded_normal(9, (3, 4)))
 
 
 # --- score_mod, mask_mod, block_mask ----------------------------------------------------------
@@ -174,8 +171,8 @@ def test_jvp_with_score_mod_and_mask_mod(with_block_mask):
     """Tangents along q, v and the score_mod's array (a learned relative bias), with a
     mask_mod (and its block_mask), a bias and a softcap applied after the score_mod."""
     q, k, v = _qkv()
-    table = 0.5 * _normal(5, (H, SQ + SK + 1))
-    bias = _normal(7, (SQ, SK))
+    table = 0.5 * seeded_normal(5, (H, SQ + SK + 1))
+    bias = seeded_normal(7, (SQ, SK))
     block_mask = (make_block_mask(_causal_prefix, B, H, SQ, SK, kv_heads=KH, **BLOCKS)
                   if with_block_mask else None)
 
@@ -187,7 +184,7 @@ def test_jvp_with_score_mod_and_mask_mod(with_block_mask):
         return f
 
     args = (q, v, table)
-    tangents = tuple(_normal(30 + i, x.shape) for i, x in enumerate(args))
+    tangents = tuple(seeded_normal(30 + i, x.shape) for i, x in enumerate(args))
     got = jax.jit(lambda a, t: jax.jvp(call(flash_attention, block_mask=block_mask,
                                             **BLOCKS), a, t))(args, tangents)
     expected = jax.jvp(call(plain_attention), args, tangents)
@@ -201,7 +198,7 @@ def test_scm_pattern_with_a_learned_position_bias():
     q, k, v = _qkv()
     rpb = RelativePositionBias(H, num_buckets=8, max_distance=16, key=jax.random.key(0))
     rpb = eqx.tree_at(lambda m: m.table, rpb, 3.0 * rpb.table)
-    bias = _normal(7, (SQ, SK))
+    bias = seeded_normal(7, (SQ, SK))
 
     @eqx.filter_jit
     def tangent_along_table(fn, **kwargs):

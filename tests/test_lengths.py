@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, assert_lse_close, outputs_and_grads
+from helpers import assert_close, assert_lse_close, outputs_and_grads, qkv
 
 from eqx_flash import causal_flash_attention, flash_attention, plain_attention
 
@@ -15,10 +15,7 @@ B, H, KV, D = 3, 4, 2, 8
 
 
 def _qkv(seq_q, seq_k, seed=0, heads=H, kv_heads=KV):
-    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
-    return (jax.random.normal(kq, (B, heads, seq_q, D)),
-            jax.random.normal(kk, (B, kv_heads, seq_k, D)),
-            jax.random.normal(kv, (B, kv_heads, seq_k, D)))
+    return qkv(seed, (B, heads, seq_q, D), (B, kv_heads, seq_k, D))
 
 
 OPTIONS = [{}, {"causal": True}, {"window": (5, 3)}, {"causal": True, "window": 6}]

@@ -13,10 +13,12 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import qkv
+from helpers import assert_close, assert_lse_close, qkv
 from jax.sharding import Mesh, PartitionSpec
 
 import eqx_flash
@@ -128,8 +130,24 @@ def test_good_options_pass(entry: str):
     """The baseline the cases perturb is valid, so each error is due to the bad value."""
     call, takes = ENTRY_POINTS[entry]
     good = dict(causal=True, window=(3, 0), scale=0.5, softcap=5.0, block_q=8, block_k=8)
-    result = call(**{n: x for n, x in good.items() if n in takes})
-    assert result is not None
+    given = {n: x for n, x in good.items() if n in takes}
+    result = call(**given)
+    # What the options mean, for the reference (causal_flash_attention is causal itself).
+    meaning = {"causal": True, **{n: x for n, x in given.items() if n not in ("block_q",
+                                                                           "block_k")}}
+    if isinstance(result, eqx.Module):
+        assert {n: getattr(result, n) for n in given} == given
+        if isinstance(result, eqx_flash.FlashAttention):
+            assert_close(result(Q[0], K[0], V[0]),
+                         eqx_flash.plain_attention(Q[0], K[0], V[0], **meaning)[0])
+        return
+    q, k = Q, K
+    if entry == "cosine_sim_flash_attention":
+        q, k = (x / jnp.linalg.norm(x, axis=-1, keepdims=True) for x in (Q, K))
+    out, lse = result
+    expected_out, expected_lse = eqx_flash.plain_attention(q, k, V, **meaning)
+    assert_close(out, expected_out)
+    assert_lse_close(lse, expected_lse)
 
 
 @pytest.fixture

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import seeded_normal, seeded_qkv, values_and_grads
 from hypothesis import given, settings
 
 from eqx_flash import causal_flash_attention, flash_attention, plain_attention
@@ -14,30 +15,15 @@ B, H, KH, SQ, SK, D = 2, 4, 2, 40, 56, 16
 BLOCKS = dict(block_q=16, block_k=24)  # several blocks, neither length a multiple
 
 
-def _normal(seed, shape, dtype=jnp.float32):
-    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
-
-
 def _qkv(heads=H, kv_heads=KH, seq_q=SQ, seq_k=SK):
-    return (_normal(0, (B, heads, seq_q, D)), _normal(1, (B, kv_heads, seq_k, D)),
-            _normal(2, (B, kv_heads, seq_k, D)))
+    return seeded_qkv((B, heads, seq_q, D), (B, kv_heads, seq_k, D))
 
 
 def _values_and_grads(fn, q, k, v, bias, slopes, **kwargs):
-    """out, lse and the gradients w.r.t. q, k, v, bias, slopes of a fixed random linear
-    function of out and the finite lse; one compiled program."""
-    w_out = _normal(3, (*q.shape[:-1], v.shape[-1]))
-    w_lse = _normal(4, q.shape[:-1])
-
-    def loss(q, k, v, bias, slopes):
-        out, lse = fn(q, k, v, bias=bias, alibi_slopes=slopes, **kwargs)
-        finite = jnp.where(jnp.isfinite(lse), lse, 0.0)
-        total = jnp.sum(out.astype(jnp.float32) * w_out) + jnp.sum(finite * w_lse)
-        return total, (out, lse)
-
-    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))
-    grads, outputs = grad(q, k, v, bias, slopes)
-    return outputs, grads
+    """out, lse and the gradients w.r.t. q, k, v, bias, slopes of `seeded_linear_loss`."""
+    return values_and_grads(
+        lambda q, k, v, b, s: fn(q, k, v, bias=b, alibi_slopes=s, **kwargs),
+        q, k, v, bias, slopes)
 
 
 def _assert_grads_close(got, expected, rtol=1e-4, atol=1e-4):
@@ -65,7 +51,7 @@ BIAS_SHAPES = [
 @pytest.mark.parametrize("causal", [False, True])
 def test_bias_matches_reference(bias_shape, causal):
     q, k, v = _qkv()
-    bias = _normal(5, bias_shape)
+    bias = seeded_normal(5, bias_shape)
     slopes = None
     got = _values_and_grads(
         lambda *a, **kw: flash_attention(*a, **BLOCKS, **kw), q, k, v, bias, slopes,
@@ -81,7 +67,7 @@ def test_bias_matches_reference(bias_shape, causal):
 @pytest.mark.parametrize("slopes_shape", [(H,), (B, H), (1, H)], ids=str)
 def test_alibi_matches_reference(slopes_shape):
     q, k, v = _qkv()
-    slopes = jnp.abs(_normal(6, slopes_shape)) * 0.3
+    slopes = jnp.abs(seeded_normal(6, slopes_shape)) * 0.3
     got = _values_and_grads(lambda *a, **kw: flash_attention(*a, **BLOCKS, **kw),
                             q, k, v, None, slopes, window=(20, 5))
     expected = _values_and_grads(plain_attention, q, k, v, None, slopes, window=(20, 5))
@@ -107,7 +93,7 @@ def test_alibi_definition():
 def test_bias_with_everything():
     """Bias and ALiBi with GQA, a key mask, segment ids, a window, softcap and dropout."""
     q, k, v = _qkv()
-    bias = _normal(7, (H, SQ, SK))
+    bias = seeded_normal(7, (H, SQ, SK))
     slopes = jnp.asarray([0.3, 0.2, 0.1, 0.05])
     kwargs = dict(
         mask=jnp.asarray(np.random.default_rng(8).random((B, SK)) < 0.8),
@@ -127,7 +113,7 @@ def test_against_jax_nn():
     """`jax.nn.dot_product_attention(bias=...)` (BTNH layout, MHA) agrees, with gradients
     of the bias."""
     q, k, v = _qkv(heads=H, kv_heads=H, seq_q=SK)
-    bias = _normal(11, (1, H, SK, SK))
+    bias = seeded_normal(11, (1, H, SK, SK))
 
     def ours(q, k, v, bias):
         return jnp.sum(jnp.sin(flash_attention(q, k, v, bias=bias, causal=True, **BLOCKS)[0]))
@@ -148,7 +134,7 @@ def test_against_jax_nn():
 def test_bias_dtype_kept(bias_dtype):
     """The bias may have any float dtype; its cotangent comes back in that dtype."""
     q, k, v = _qkv()
-    bias = _normal(12, (SQ, SK), bias_dtype)
+    bias = seeded_normal(12, (SQ, SK), bias_dtype)
     grad = jax.grad(lambda b: flash_attention(q, k, v, bias=b, **BLOCKS)[0].sum())(bias)
     ref = jax.grad(lambda b: plain_attention(q, k, v, bias=b)[0].sum())(bias)
     assert grad.dtype == bias_dtype and grad.shape == bias.shape
@@ -171,7 +157,7 @@ def test_minus_inf_bias_empties_rows():
 
 def test_causal_flash_attention_and_transforms():
     q, k, v = _qkv()
-    bias = _normal(13, (B, H, SQ, SK))
+    bias = seeded_normal(13, (B, H, SQ, SK))
     slopes = jnp.asarray([0.3, 0.2, 0.1, 0.05])
     out, _ = causal_flash_attention(q, k, v, bias=bias, alibi_slopes=slopes, **BLOCKS)
     ref, _ = plain_attention(q, k, v, bias=bias, alibi_slopes=slopes, causal=True)
@@ -215,7 +201,7 @@ def test_gradients_of_some_arguments_only(argnums):
     """A bias or slopes with no tangent (constants) skip their cotangent accumulation in
     the backward kernel: what is asked for is the same as when everything is."""
     q, k, v = _qkv()
-    bias = 0.5 * _normal(5, (H, SQ, SK))
+    bias = 0.5 * seeded_normal(5, (H, SQ, SK))
     slopes = 2.0 ** -jnp.arange(1.0, H + 1)
 
     def loss(fn):
