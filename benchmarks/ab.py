@@ -1,6 +1,6 @@
 """A/B: this checkout's kernels against another git revision's, interleaved in one process.
 
-    python benchmarks/ab.py --base main~1 [--seq 4096] [--rounds 7]
+    python benchmarks/ab.py --base main~1 [--seq 4096] [--rounds 7] [--only jvp,decode]
 
 Machines here are shared and noisy, so "before" and "after" numbers from two runs are not
 comparable. This extracts the package at `--base` into a temporary directory under another
@@ -30,34 +30,69 @@ def _load_revision(rev: str, into: Path):
     target = into / "eqx_flash_base"
     target.mkdir()
     files = subprocess.run(
-        ["git", "-C", str(ROOT), "ls-tree", "--name-only", rev, "eqx_flash/"],
+        ["git", "-C", str(ROOT), "ls-tree", "-r", "--name-only", rev, "eqx_flash/"],
         check=True, capture_output=True, text=True,
     ).stdout.split()
     for name in files:
         blob = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{name}"],
                               check=True, capture_output=True).stdout
-        (target / Path(name).name).write_bytes(blob)
+        path = target / Path(name).relative_to("eqx_flash")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(blob)
     sys.path.insert(0, str(into))
     return importlib.import_module("eqx_flash_base")
 
 
+def _normal(seed: int, shape, dtype=jnp.float32):
+    return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)
+
+
+def _grad(attend, argnums=(0, 1, 2), **kwargs):
+    """`jax.grad` of `sum(out)` with respect to the arguments `argnums`."""
+    def loss(*args):
+        return jnp.sum(attend(*args, **kwargs)[0].astype(jnp.float32))
+
+    return jax.jit(jax.grad(loss, argnums=argnums))
+
+
+def _documents(b, h, i, j):
+    # Documents of 512 tokens, each also seeing a 64-token shared prefix.
+    return ((i // 512) == (j // 512)) | (j < 64)
+
+
 def _configs(seq: int, heads: int, dim: int):
-    """name, q/k/v shapes, keywords, dtype."""
-    mha = ((1, heads, seq, dim),) * 3
-    gqa = ((1, 8, seq, dim), (1, 1, seq, dim), (1, 1, seq, dim))
-    return [
-        ("fwd+bwd", mha, {}, jnp.float32),
-        ("fwd+bwd causal", mha, {"causal": True}, jnp.float32),
-        ("fwd+bwd gqa 8/1", gqa, {}, jnp.float32),
-        ("fwd+bwd bf16", mha, {}, jnp.bfloat16),
-    ]
+    """`{name: build}`, `build(package) -> (compiled function, arguments)`."""
+    mha = [_normal(i, (1, heads, seq, dim)) for i in range(3)]
+    gqa = [_normal(0, (1, 8, seq, dim)), _normal(1, (1, 1, seq, dim)),
+           _normal(2, (1, 1, seq, dim))]
+    bf16 = [x.astype(jnp.bfloat16) for x in mha]
+    tangents = tuple(_normal(i + 3, x.shape) for i, x in enumerate(mha))
+    decode = [_normal(0, (1, heads, 1, dim)), _normal(1, (1, heads, 32768, dim)),
+              _normal(2, (1, heads, 32768, dim))]
+    bias = 0.5 * _normal(6, (1, 1, seq, seq))
 
+    def jvp(package):
+        def tangent(q, k, v):
+            return jax.jvp(lambda *x: package.flash_attention(*x)[0], (q, k, v), tangents)[1]
+        return jax.jit(tangent), mha
 
-def _grad_fn(attend, kwargs):
-    def loss(q, k, v):
-        return jnp.sum(attend(q, k, v, **kwargs)[0].astype(jnp.float32))
+    def mask_mod(package):
+        block_mask = package.make_block_mask(_documents, (1,), heads, seq, seq)
+        return _grad(package.flash_attention, mask_mod=_documents,
+                     block_mask=block_mask), mha
 
-    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    return {
+        "fwd+bwd": lambda p: (_grad(p.flash_attention), mha),
+        "fwd+bwd causal": lambda p: (_grad(p.flash_attention, causal=True), mha),
+        "fwd+bwd gqa 8/1": lambda p: (_grad(p.flash_attention), gqa),
+        "fwd+bwd bf16": lambda p: (_grad(p.flash_attention), bf16),
+        "jvp (q, k, v)": jvp,
+        "decode 1 x 32k": lambda p: (jax.jit(p.flash_attention), decode),
+        "fwd+bwd mask_mod + block_mask": mask_mod,
+        "fwd+bwd trained bias": lambda p: (
+            _grad(lambda q, k, v, b: p.flash_attention(q, k, v, bias=b),
+                  argnums=(0, 1, 2, 3)), [*mha, bias]),
+    }
 
 
 def main() -> None:
@@ -67,6 +102,7 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--only", default="", help="comma-separated names (substrings) to run")
     args = p.parse_args()
     sys.path.insert(0, str(ROOT))
     import eqx_flash
@@ -74,14 +110,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         base = _load_revision(args.base, Path(tmp))
         calls = {}
-        for name, shapes, kwargs, dtype in _configs(args.seq, args.heads, args.dim):
-            keys = jax.random.split(jax.random.key(0), 3)
-            qkv = [jax.random.normal(kk, s, jnp.float32).astype(dtype)
-                   for kk, s in zip(keys, shapes, strict=True)]
+        configs = _configs(args.seq, args.heads, args.dim)
+        wanted = [w for w in args.only.split(",") if w]
+        configs = {n: b for n, b in configs.items() if not wanted or any(w in n for w in wanted)}
+        for name, build in configs.items():
             for label, package in (("new", eqx_flash), ("old", base)):
-                fn = _grad_fn(package.flash_attention, kwargs)
-                jax.block_until_ready(fn(*qkv))  # compile
-                calls[(name, label)] = (fn, qkv)
+                fn, fn_args = build(package)
+                jax.block_until_ready(fn(*fn_args))  # compile
+                calls[(name, label)] = (fn, fn_args)
         print(f"compiled {len(calls)} calls (seq {args.seq}, {args.heads} heads, dim "
               f"{args.dim}); base = {args.base}", flush=True)
         times: dict[tuple[str, str], list[float]] = {c: [] for c in calls}
@@ -95,10 +131,11 @@ def main() -> None:
                 times[c].append(time.perf_counter() - t0)
             print(f"round {r + 1}/{args.rounds} done", flush=True)
     print("\n| configuration | old ms | new ms | new / old |\n|---|---:|---:|---:|")
-    for name, *_ in _configs(args.seq, args.heads, args.dim):
+    for name in configs:
         old = statistics.median(times[(name, "old")]) * 1e3
         new = statistics.median(times[(name, "new")]) * 1e3
-        print(f"| {name} | {old:.0f} | {new:.0f} | {new / old:.2f} |")
+        digits = 1 if old < 20 else 0
+        print(f"| {name} | {old:.{digits}f} | {new:.{digits}f} | {new / old:.2f} |")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 (attend to the valid prefix by length) or rolling (attend to the buffer by absolute
 position)."""
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -14,13 +14,11 @@ from .._mods.tracing import AtPositions
 from .cache import KVCache
 from .module_call import process, project, static_options
 
-if TYPE_CHECKING:
-    from .multihead import FlashMultiheadAttention
 
-
-def decode_with_cache(layer: "FlashMultiheadAttention", x: Array, cache: KVCache,
-                      process_heads: Any) -> tuple[Array, KVCache]:
-    """`layer.decode(x, cache, process_heads=process_heads)` (which see)."""
+def decode_with_cache(layer: Any, x: Array, cache: KVCache, process_heads: Any
+                      ) -> tuple[Array, KVCache]:
+    """`layer.decode(x, cache, process_heads=process_heads)` (which see) of a
+    `FlashMultiheadAttention` `layer` (not imported here: it imports this module)."""
     expected = (layer.num_kv_heads, layer.qk_size, layer.vo_size)
     got = (cache.k.shape[0], cache.k.shape[2], cache.v.shape[2])
     if got != expected:
