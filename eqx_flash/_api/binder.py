@@ -66,6 +66,7 @@ def bind(
     key: Any = None,
     bias: ArrayLike | None = None,
     alibi_slopes: ArrayLike | None = None,
+    sinks: ArrayLike | None = None,
     score_mod: Any = None,
     mask_mod: Any = None,
     block_mask: Any = None,
@@ -89,7 +90,7 @@ def bind(
         shapes, seq_k=key_columns())
     given = dict(mask=mask, attn_mask=attn_mask, q_segment_ids=q_segment_ids,
                  kv_segment_ids=kv_segment_ids, bias=bias, alibi_slopes=alibi_slopes,
-                 q_lengths=q_lengths, kv_lengths=kv_lengths)
+                 sinks=sinks, q_lengths=q_lengths, kv_lengths=kv_lengths)
     _check_pairs(given, ("q_segment_ids", "kv_segment_ids"))
     fields = {}
     for argument, name in operands_.public_arguments().items():

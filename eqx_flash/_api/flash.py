@@ -48,6 +48,7 @@ from .._core.types import (
     QuerySegmentIds,
     RealNumber,
     ScoreMod,
+    Sinks,
     Value,
     WindowLike,
 )
@@ -56,6 +57,7 @@ from .._kernels.split_k import split_k_applies, split_k_forward
 from .._mods.block_mask import BlockMask, block_flags_for, derived_flags
 from .._mods.tracing import trace_mods
 from .._semantics.masking import valid_rows
+from .._semantics.softmax import with_sink
 from .binder import Bound, bind
 
 
@@ -111,9 +113,12 @@ def _blockwise(q, k, v, ops: Operands, *, cfg: KernelConfig, shapes: Shapes):
     k, v = (pad_axis(x.astype(compute), 2, seq_k_pad) for x in (k, v))
     ops = padded(ops, seq_q_pad, seq_k_pad)
     # `functools.partial(jax.custom_jvp, ...)` hides the return type from type checkers.
+    sinks, ops = ops.sinks, replace(ops, sinks=None)
     result = _attention(cfg, q, k, v, differentiable_part(ops), constant_part(ops))
     out, lse = cast(tuple[Array, Array], result)
-    return merge_heads(out[..., : cfg.seq_q, :].astype(dtype), lse[..., : cfg.seq_q], shapes)
+    out, lse = with_sink(out[..., : cfg.seq_q, :], lse[..., : cfg.seq_q],
+                         None if sinks is None else sinks[..., 0])
+    return merge_heads(out.astype(dtype), lse, shapes)
 
 
 @jaxtyped(typechecker=beartype)
@@ -138,6 +143,7 @@ def flash_attention(
     key: PRNGKeyArray | None = None,
     bias: Bias | None = None,
     alibi_slopes: AlibiSlopes | None = None,
+    sinks: Sinks | None = None,
     score_mod: ScoreMod | None = None,
     mask_mod: MaskMod | None = None,
     block_mask: BlockMask | None = None,
@@ -174,6 +180,14 @@ def flash_attention(
     - `alibi_slopes`: `(heads,)` or `(*batch, heads)`: adds `-slope * |i + seq_k - seq_q
         - j|` to the logit of query `i` and key `j` (FlashAttention-2's ALiBi, aligned
         bottom-right like `causal`), computed in the kernel; differentiable.
+    - `sinks`: attention sinks (gpt-oss, StreamingLLM), a float array broadcastable to
+        `(*batch, heads)`: one logit per head in every row's softmax denominator, so the
+        weights are `p_ij = exp(s_ij) / (exp(sink) + sum_j exp(s_ij))` over the final
+        scores `s` (the sink is not scaled, soft-capped or masked) and the returned lse is
+        `log(exp(sink) + sum_j exp(s_ij))`. A row with nothing to attend gets `out = 0`
+        and `lse = sink`. Differentiable (`jax.grad`, `jax.jvp`), its cotangent in its own
+        shape and dtype; dropout drops key weights only. The sink is the part `(out = 0,
+        lse = sink)` merged into the result by its lse.
     - `score_mod`: `score_mod(score, batch, head, q_idx, kv_idx) -> score`, elementwise
         (FlexAttention's): `batch` is the flat row-major index over q's leading batch
         axes, `head` the query head, `q_idx`/`kv_idx` the positions in q and k. The

@@ -28,6 +28,7 @@ from .._core.types import (
     QuerySegmentIds,
     RealNumber,
     ScoreMod,
+    Sinks,
     Value,
     WindowLike,
 )
@@ -42,7 +43,7 @@ from .._semantics.masking import (
     valid_rows,
 )
 from .._semantics.score_terms import additive
-from .._semantics.softmax import finish
+from .._semantics.softmax import finish, with_sink
 from .binder import bind
 
 
@@ -66,12 +67,13 @@ def plain_attention(
     key: PRNGKeyArray | None = None,
     bias: Bias | None = None,
     alibi_slopes: AlibiSlopes | None = None,
+    sinks: Sinks | None = None,
     score_mod: ScoreMod | None = None,
     mask_mod: MaskMod | None = None,
     block_mask: BlockMask | None = None,
 ) -> tuple[Output, LSE]:
     """Reference attention with exactly the semantics of `flash_attention` (which see,
-    also for `bias`, `alibi_slopes`, `score_mod`, `mask_mod` and `block_mask`),
+    also for `bias`, `alibi_slopes`, `sinks`, `score_mod`, `mask_mod` and `block_mask`),
     computed by materialising every logit, in float32 (float64 for float64 inputs).
 
     `score_mod` and `mask_mod` are called once, on the whole grid: the scores are
@@ -138,4 +140,5 @@ def plain_attention(
         weights_v = unnormalised
     acc = jnp.einsum("bhgqk,bhgkd->bhgqd", weights_v, v5)
     out, lse = finish(acc, row_max[..., 0], unnormalised.sum(axis=-1))
+    out, lse = with_sink(out, lse, None if ops.sinks is None else ops.sinks[..., 0])
     return merge_heads(out.astype(q.dtype), lse, shapes)

@@ -70,6 +70,10 @@ class Operands(eqx.Module):
                                   differentiable=True)
     alibi_slopes: Any = _operand(GRID, argument="alibi_slopes", kind="per_head",
                                           differentiable=True)
+    # Attention sinks: a per-head logit in every row's softmax denominator. It acts on the
+    # kernels' normalised `(out, lse)` (`_semantics.softmax.with_sink`), so the kernels
+    # never see it and its derivatives are those of that elementwise step.
+    sinks: Any = _operand(GRID, argument="sinks", kind="per_head", differentiable=True)
     # Valid lengths (right padding), `(batch|1, 1, 1, 1, 1)` int32.
     q_lengths: Any = _operand(GRID, argument="q_lengths", kind="query_lengths")
     kv_lengths: Any = _operand(GRID, argument="kv_lengths", kind="key_lengths")

@@ -55,6 +55,7 @@ Bias: TypeAlias = Float[AnyArray, "... #seq_q #seq_k"]
 # keys: its last axis is the global seq_k, not the local shard's.
 RingBias: TypeAlias = Float[AnyArray, "... #seq_q #global_seq_k"]
 AlibiSlopes: TypeAlias = Float[AnyArray, "..."]
+Sinks: TypeAlias = Float[AnyArray, "..."]
 KeySegmentIds: TypeAlias = Integer[AnyArray, "... seq_k"]
 # `score_mod(score, batch, head, q_idx, kv_idx) -> score` and `mask_mod(batch, head,
 # q_idx, kv_idx) -> bool` (`_mods`): any callable, a PyTree such as an `eqx.Module` too.

@@ -23,7 +23,7 @@ from jaxtyping import Array, jaxtyped
 from .._api.binder import Bound, bind, refuse
 from .._autodiff.reverse_only import reverse_only
 from .._core.config import KernelConfig, kernel_config, stat_dtype
-from .._core.operands import Operands, add_cotangents, combine, pad_axis, zeros_for
+from .._core.operands import Operands, add_cotangents, combine, pad_axis, replace, zeros_for
 from .._core.shapes import merge_heads, split_heads
 from .._core.types import (
     LSE,
@@ -40,6 +40,7 @@ from .._core.types import (
     QuerySegmentIds,
     RingBias,
     ScoreMod,
+    Sinks,
     Value,
     WindowLike,
 )
@@ -231,6 +232,7 @@ def ring_flash_attention(
     kv_lengths: Any = None,
     bias: RingBias | None = None,
     alibi_slopes: AlibiSlopes | None = None,
+    sinks: Sinks | None = None,
     score_mod: ScoreMod | None = None,
     mask_mod: MaskMod | None = None,
     block_mask: BlockMask | None = None,
@@ -256,6 +258,8 @@ def ring_flash_attention(
     - `alibi_slopes`: as in `flash_attention`, at *global* positions (bottom-right
         aligned on the global sequence, whatever the layout); differentiable, each
         device's share of the slopes' cotangent summed by `shard_map`'s transpose.
+    - `sinks`: as in `flash_attention` (the same on every device), counted once: it joins
+        each row's result after the ring has merged every key shard.
     - `score_mod`, `mask_mod`: as in `flash_attention`, with `q_idx`/`kv_idx` the
         *global* positions (whatever the layout); `batch` and `head` index this
         device's shard of the batch and heads axes. Gradients reach the score_mod's
@@ -303,7 +307,10 @@ def ring_flash_attention(
         )
     ring, mod_ops = ring_of(bound, axis_name, n, layout)
     q, k, v = split_heads(bound.q, bound.k, bound.v, bound.shapes)
-    out, lse = ring_attention(ring, q, k, v, combine(bound.operands, mod_ops))
+    ops = combine(bound.operands, mod_ops)
+    # The sink joins the merged result once, after the ring has seen every key.
+    out, lse = ring_attention(ring, q, k, v, replace(ops, sinks=None))
+    out, lse = softmax.with_sink(out, lse, None if ops.sinks is None else ops.sinks[..., 0])
     return merge_heads(out, lse, bound.shapes)
 
 

@@ -40,11 +40,13 @@ from .._core.types import (
     Query,
     QuerySegmentIds,
     ScoreMod,
+    Sinks,
     Value,
     WindowLike,
 )
 from .._mods.block_mask import BlockMask
 from .._semantics.masking import lengths_or, valid_rows
+from .._semantics.softmax import with_sink
 from .ring import Ring, ring_attention, ring_of
 from .ring_operands import role_of
 from .sequence_order import (
@@ -81,6 +83,7 @@ def sharded_flash_attention(
     block_k: BlockSize = None,
     bias: Bias | None = None,
     alibi_slopes: AlibiSlopes | None = None,
+    sinks: Sinks | None = None,
     score_mod: ScoreMod | None = None,
     mask_mod: MaskMod | None = None,
     block_mask: BlockMask | None = None,
@@ -97,6 +100,7 @@ def sharded_flash_attention(
         `window`, `kv_lengths - q_lengths` must equal `seq_k - seq_q` (as for padded
         self-attention with equal lengths), since the ring aligns them on the global
         sequence: otherwise an error (`eqx.error_if` under `jax.jit`).
+    - `sinks`: as in `flash_attention`, counted once per row; differentiable.
     - `bias`, `alibi_slopes`: as in `flash_attention` (global arrays; ALiBi at global
         positions), both differentiable. The bias is reordered with the sequence and
         sharded by query rows: each device holds its queries' rows against all keys,
@@ -150,8 +154,10 @@ def sharded_flash_attention(
         q5, k4, v4, ops = _lengths_as_segment_ids(shapes, bound.options, q5, k4, v4, ops)
     local = dataclasses.replace(shapes, seq_q=shapes.seq_q // n, seq_k=shapes.seq_k // n)
     ring, _ = ring_of(bound, seq_axis, n, layout, local=local)
-    out, lse = _sharded(q5, k4, v4, ops, ring=ring, mesh=mesh, batch_axis=batch_axis,
-                        head_axis=head_axis)
+    out, lse = _sharded(q5, k4, v4, replace(ops, sinks=None), ring=ring, mesh=mesh,
+                        batch_axis=batch_axis, head_axis=head_axis)
+    # The sink joins the merged global result: elementwise, sharded as out and lse are.
+    out, lse = with_sink(out, lse, None if ops.sinks is None else ops.sinks[..., 0])
     return merge_heads(out, lse, shapes)
 
 

@@ -17,6 +17,7 @@ from .._core.types import (
     OptionalReal,
     RealNumber,
     ScoreMod,
+    Sinks,
     WindowLike,
 )
 from .._mods.block_mask import BlockMask
@@ -111,6 +112,7 @@ class FlashAttention(eqx.Module):
         kv_lengths: Lengths | None = None,
         bias: Bias | None = None,
         alibi_slopes: AlibiSlopes | None = None,
+        sinks: Sinks | None = None,
         score_mod: ScoreMod | None = None,
         mask_mod: MaskMod | None = None,
         block_mask: BlockMask | None = None,
@@ -127,6 +129,8 @@ class FlashAttention(eqx.Module):
         - `q_lengths`, `kv_lengths`, `bias`, `alibi_slopes`: as in `flash_attention`, for
             this one example: the lengths are integer scalars (`vmap` them with the batch),
             `bias` broadcasts to `(heads, seq_q, seq_k)`, `alibi_slopes` is `(heads,)`.
+        - `sinks`: `(heads,)`, as in `flash_attention` (a trained sink is a parameter of
+            the enclosing model, passed here each call).
         - `score_mod`, `mask_mod`: for this call instead of the module's.
         - `block_mask`: `make_block_mask(mask_mod, (), heads, seq_q, seq_k, block_q,
             block_k)` of the `mask_mod` in use, for this example's sizes.
@@ -139,6 +143,6 @@ class FlashAttention(eqx.Module):
         rate = dropout_rate("dropout_p", self.dropout_p, inference, key)
         return attend_heads(
             q, k, v, mask, static_options(self), rate, key,
-            per_call_arrays(self, q_lengths, kv_lengths, bias, alibi_slopes, score_mod,
-                            mask_mod, block_mask),
+            per_call_arrays(self, q_lengths, kv_lengths, bias, alibi_slopes, sinks,
+                            score_mod, mask_mod, block_mask),
         )

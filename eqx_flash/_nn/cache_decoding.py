@@ -38,7 +38,7 @@ def decode_with_cache(layer: Any, x: Array, cache: KVCache, process_heads: Any
             q, k, v = process(process_heads, q, k, v, positions)
         q, k, v = (jnp.swapaxes(x_, 0, 1) for x_ in (q, k, v))
         blocks: dict[str, Any] = dict(block_q=layer.block_q, block_k=layer.block_k,
-                                      softcap=layer.softcap)
+                                      softcap=layer.softcap, sinks=layer.sinks)
         if cache.window is None:
             # Write first, then attend to the valid prefix: causal/window align on it.
             mods = _mods_at(layer, positions[0], None)

@@ -80,6 +80,8 @@ class FlashMultiheadAttention(eqx.Module):
     # Not static: an `eqx.Module` modification trains with the model (see FlashAttention).
     score_mod: ScoreMod | None
     mask_mod: MaskMod | None
+    # Learnable attention sinks, one logit per query head (`use_sinks=True`), else None.
+    sinks: Float[Array, " num_heads"] | None
 
     def __init__(
         self,
@@ -106,6 +108,7 @@ class FlashMultiheadAttention(eqx.Module):
         block_k: BlockSize = None,
         score_mod: ScoreMod | None = None,
         mask_mod: MaskMod | None = None,
+        use_sinks: bool = False,
         key: PRNGKeyArray,
     ):
         """**Arguments:**
@@ -128,8 +131,13 @@ class FlashMultiheadAttention(eqx.Module):
         - `score_mod`, `mask_mod`: as in `flash_attention`, on the projected heads (`batch`
             is 0, `head` the query head); an `eqx.Module` such as `RelativePositionBias`
             trains with the layer. Replaceable per call.
+        - `use_sinks`: if `True`, a learnable `sinks` field `(num_heads,)`, initialised to
+            0: each head's logit in every row's softmax denominator (as `flash_attention`'s
+            `sinks`), used by `__call__` and `decode`.
         - `key`: PRNG key for the initialisation.
         """
+        if not isinstance(use_sinks, bool):
+            raise TypeError(f"use_sinks must be a bool; got use_sinks={use_sinks!r}")
         # Checked before any size is derived or any Linear is built with a bad size.
         _check_heads(num_heads, num_heads if num_kv_heads is None else num_kv_heads)
         _check_sizes(query_size=query_size, key_size=key_size, value_size=value_size,
@@ -177,6 +185,7 @@ class FlashMultiheadAttention(eqx.Module):
         self.block_k = block_k
         self.score_mod = score_mod
         self.mask_mod = mask_mod
+        self.sinks = jnp.zeros(num_heads, self.query_proj.weight.dtype) if use_sinks else None
 
     def __check_init__(self):
         _check_heads(self.num_heads, self.num_kv_heads)
@@ -195,14 +204,14 @@ class FlashMultiheadAttention(eqx.Module):
 
         - `mha`: the module to convert.
         - `**flash_options`: any of `causal`, `window`, `softcap`, `block_q`, `block_k`,
-            `score_mod`, `mask_mod`.
+            `score_mod`, `mask_mod`, `use_sinks` (sinks initialised to 0).
 
         **Returns:**
 
         A `FlashMultiheadAttention` sharing `mha`'s projections and dropout.
         """
         allowed = {"causal", "window", "softcap", "block_q", "block_k", "score_mod",
-                   "mask_mod"}
+                   "mask_mod", "use_sinks"}
         unknown = set(flash_options) - allowed
         if unknown:
             raise TypeError(
@@ -228,12 +237,14 @@ class FlashMultiheadAttention(eqx.Module):
             key=jax.random.key(0),
             **flash_options,
         )
+        sinks = None if shell.sinks is None else jnp.zeros(shell.sinks.shape,
+                                                            shell.sinks.dtype)
         return eqx.tree_at(
             lambda m: (m.query_proj, m.key_proj, m.value_proj, m.output_proj, m.dropout,
-                       m.score_mod, m.mask_mod),
+                       m.score_mod, m.mask_mod, m.sinks),
             shell,
             (mha.query_proj, mha.key_proj, mha.value_proj, mha.output_proj, mha.dropout,
-             *mods),
+             *mods, sinks),
             is_leaf=lambda x: x is None,
         )
 
@@ -310,8 +321,8 @@ class FlashMultiheadAttention(eqx.Module):
             heads = attend_heads(
                 jnp.swapaxes(q, 0, 1), jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1), mask,
                 static_options(self), rate, key,
-                per_call_arrays(self, q_lengths, kv_lengths, bias, alibi_slopes, score_mod,
-                                mask_mod, block_mask),
+                per_call_arrays(self, q_lengths, kv_lengths, bias, alibi_slopes, self.sinks,
+                                score_mod, mask_mod, block_mask),
             )
             attn = jnp.swapaxes(heads, 0, 1).reshape(query.shape[0], -1)
             return jax.vmap(self.output_proj)(attn)

@@ -64,6 +64,17 @@ def merge(out: Array, lse: Array, part_out: Array, part_lse: Array) -> tuple[Arr
     return finish(acc, shift, w_old + w_new)
 
 
+def with_sink(out: Array, lse: Array, sink: Array | None) -> tuple[Array, Array]:
+    """`(out, lse)` of attention whose softmax denominator also holds `exp(sink)`: the
+    result merged with a part `(out = 0, lse = sink)`, so `out * exp(lse - lse')` and
+    `lse' = log(exp(lse) + exp(sink))`. A row that attended nothing gets 0 and `sink`.
+    `sink` broadcasts against `lse`; `None`: no sink."""
+    if sink is None:
+        return out, lse
+    merged, lse = merge(out, lse, jnp.zeros((), out.dtype), sink.astype(lse.dtype))
+    return merged.astype(out.dtype), lse
+
+
 def finite_lse(lse: Array) -> Array:
     """lse with -inf (rows that attended nothing) replaced by 0: any finite shift gives
     `exp(masked logit - lse) = 0` there, where -inf would give NaN."""

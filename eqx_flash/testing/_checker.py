@@ -114,7 +114,9 @@ def _tangents(inputs: "AttentionInputs", seed: int) -> tuple[Any, ...]:
 
     def like(x):
         x32 = np.asarray(jnp.asarray(x).astype(jnp.float32))
-        t = rng.standard_normal(x.shape, np.float32) * max(float(np.std(x32)), 1e-3)
+        finite = x32[np.isfinite(x32)]  # a -inf sink has a finite tangent too
+        std = float(np.std(finite)) if finite.size else 1.0
+        t = rng.standard_normal(x.shape, np.float32) * max(std, 1e-3)
         return jnp.asarray(t.astype(jnp.dtype(x.dtype)))
 
     d_qkv = like(inputs.q), like(inputs.k), like(inputs.v)

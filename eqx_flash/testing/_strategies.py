@@ -132,6 +132,7 @@ def attention_inputs(
     dropout: bool = False,
     bias: bool | None = False,
     alibi: bool | None = False,
+    sinks: bool | None = False,
     lengths: bool | None = False,
     score_mod: bool | None = False,
     mask_mod: bool | None = False,
@@ -167,6 +168,8 @@ def attention_inputs(
         shared over batch, over batch and heads, per key, per query, per head) and
         `alibi_slopes` `(heads,)` or `(*batch, heads)`; `None` draws them, and both are
         off by default so that functions without these arguments keep passing.
+    - `sinks`: attention `sinks` `(heads,)` or `(*batch, heads)`, of the size of the
+        logits (so they matter), sometimes `-inf` for a head; off by default (`False`).
     - `lengths`: `q_lengths`/`kv_lengths` `(*batch,)` in `[0, seq]` (right padding), each
         given or not; off by default (`False`), since attention functions other than
         eqx_flash's may not take them; `None` draws, `True` always.
@@ -280,6 +283,12 @@ def attention_inputs(
         if _maybe(draw, alibi):
             shape = (n_heads,) if draw(st.booleans()) else lead
             kwargs["alibi_slopes"] = jnp.asarray(0.3 * rng.random(shape, np.float32))
+        if _maybe(draw, sinks):
+            shape = (n_heads,) if draw(st.booleans()) else lead
+            values = 2.0 * rng.standard_normal(shape).astype(np.float32)
+            if draw(st.booleans()):  # a head without a sink
+                values.reshape(-1)[0] = -np.inf
+            kwargs["sinks"] = jnp.asarray(values)
         if _maybe(draw, score_mod):
             kwargs["score_mod"] = _draw_score_mod(draw, rng, n_heads, seq_q, seq_k)
         if _maybe(draw, mask_mod):
