@@ -172,7 +172,7 @@ def test_lengths_bias_and_alibi_match_plain(getkey):
     kwargs = dict(
         causal=True, q_lengths=jnp.array([24, 9]), kv_lengths=jnp.array([40, 17]),
         bias=0.3 * jax.random.normal(getkey(), (4, 24, 40)),
-        alibi_slopes=2.0 ** -jnp.arange(1.0, 5.0),
+        alibi_slopes=2.0 ** -jnp.arange(1.0, 5.0), sinks=jnp.linspace(-1.0, 1.0, 4),
     )
     wkey = getkey()
     (out, lse), grads = outputs_and_grads(eqx_flash.flash_attention, q, k, v, wkey,
@@ -183,6 +183,18 @@ def test_lengths_bias_and_alibi_match_plain(getkey):
     assert_lse_close(lse, ref_lse)
     for g, r in zip(grads, ref_grads, strict=True):
         assert_close(g, r, scale=4.0)
+
+
+@covers("merge_attention")
+def test_merge_attention_of_two_key_halves(getkey):
+    q, k, v = qkv(getkey(), (2, 4, 12, 8), (2, 4, 32, 8))
+    halves = [eqx_flash.flash_attention(q, k[..., a:a + 16, :], v[..., a:a + 16, :])
+              for a in (0, 16)]
+    out, lse = eqx_flash.merge_attention(jnp.stack([h[0] for h in halves]),
+                                         jnp.stack([h[1] for h in halves]))
+    ref, ref_lse = eqx_flash.plain_attention(q, k, v)
+    assert_close(out, ref)
+    assert_lse_close(lse, ref_lse)
 
 
 @covers("flash_attention")
