@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import seeded_linear_loss, seeded_normal, seeded_qkv, values_and_grads
+from helpers import assert_close, seeded_linear_loss, seeded_normal, seeded_qkv, values_and_grads
 from hypothesis import given, settings
 
 import eqx_flash
@@ -276,7 +276,7 @@ def test_block_mask_skips_empty_blocks(monkeypatch):
     assert counter.run(lambda: _flash(q, k, v, mask_mod=mask_mod)) == counts
     out, _ = _flash(q, k, v, mask_mod=mask_mod, block_mask=block_mask)
     ref, _ = plain_attention(q, k, v, mask_mod=mask_mod)
-    np.testing.assert_allclose(out, ref, atol=2e-5)
+    assert_close(out, ref)
 
 
 def test_derived_summary_follows_batch_and_heads(monkeypatch):
@@ -288,8 +288,8 @@ def test_derived_summary_follows_batch_and_heads(monkeypatch):
     block_mask = make_block_mask(mask_mod, (B,), H, SQ, SK, **BLOCKS)
     out, lse = _flash(q, k, v, mask_mod=mask_mod)
     ref, ref_lse = plain_attention(q, k, v, mask_mod=mask_mod)
-    np.testing.assert_allclose(out, ref, atol=2e-5)
-    np.testing.assert_allclose(lse, ref_lse, atol=2e-5)
+    assert_close(out, ref)
+    assert_close(lse, ref_lse)
     counter = _BlockCounter(monkeypatch)
     given = counter.run(lambda: _flash(q, k, v, mask_mod=mask_mod, block_mask=block_mask))
     assert 0 < given["forward"] < B * H * 9
@@ -389,10 +389,10 @@ def test_causal_flash_attention_and_bare_inputs():
     mod = relative_table(0.5 * seeded_normal(5, (H, SQ + SK + 1)))
     out, _ = causal_flash_attention(q, k, v, score_mod=mod, **BLOCKS)
     ref, _ = plain_attention(q, k, v, score_mod=mod, causal=True)
-    np.testing.assert_allclose(out, ref, atol=2e-5)
+    assert_close(out, ref)
     out, lse = _flash(q[0, 0], k[0, 0], v[0, 0], mask_mod=prefix_lm(5))
     ref, ref_lse = plain_attention(q[0, 0], k[0, 0], v[0, 0], mask_mod=prefix_lm(5))
-    np.testing.assert_allclose(out, ref, atol=2e-5)
+    assert_close(out, ref)
 
 
 # --- ready-made modifications ---------------------------------------------------------------
@@ -647,7 +647,7 @@ def test_frozen_score_mod_accumulates_no_cotangent():
         return jnp.sum(attention(q, k, v, score_mod=m)[0] ** 2)
 
     frozen = jax.grad(loss)(q, rpb, _flash)
-    np.testing.assert_allclose(frozen, jax.grad(loss)(q, rpb, plain_attention), atol=2e-5)
+    assert_close(frozen, jax.grad(loss)(q, rpb, plain_attention))
     only_q = jax.jit(jax.grad(loss), static_argnums=2).lower(q, rpb, _flash).as_text()
     both = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2).lower(
         q, rpb, _flash).as_text()

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import assert_close
 from hypothesis import given, settings
 
 import eqx_flash
@@ -130,7 +131,7 @@ def test_jacfwd_and_linearize():
     d_got = lin(*tangents)
     _, d_expected = jax.jvp(plain, args, tangents)
     for a, b in zip(d_got, d_expected, strict=True):
-        np.testing.assert_allclose(a, b, atol=1e-4)
+        assert_close(a, b, kind="grad")
 
 
 def _linear_eqns(jaxpr) -> list[bool]:
@@ -175,7 +176,7 @@ def test_vmap_and_checkpoint_compose():
         return jax.vmap(lambda q, t: jax.jvp(lambda q: fn(q, inputs.k, inputs.v)[0],
                                              (q,), (t,))[1])(qs, tangents)
 
-    np.testing.assert_allclose(jvp_out(jax.checkpoint(flash)), jvp_out(plain), atol=1e-4)
+    assert_close(jvp_out(jax.checkpoint(flash)), jvp_out(plain), kind="grad")
 
     def grad_vmapped(fn):
         return jax.grad(lambda qs: jnp.sum(jax.vmap(lambda q: fn(q, inputs.k, inputs.v)[0])(
@@ -196,7 +197,7 @@ def test_module_entry_points():
     got = jax.jvp(lambda x: flash(x, x, x), (x,), (t,))
     expected = jax.jvp(lambda x: mha(x, x, x, causal), (x,), (t,))
     for a, b in zip(got, expected, strict=True):
-        np.testing.assert_allclose(a, b, atol=1e-4)
+        assert_close(a, b, kind="grad")
 
     attention = FlashAttention(causal=True)
     q, k, v = inputs.q, inputs.k, inputs.v
@@ -207,7 +208,7 @@ def test_module_entry_points():
     reference = jax.jvp(lambda q, k, v: plain_attention(q, k, v, causal=True)[0], (q, k, v),
                         tangents)[1]
     np.testing.assert_allclose(got, expected, atol=1e-6)
-    np.testing.assert_allclose(got, reference, atol=1e-4)
+    assert_close(got, reference, kind="grad")
 
 
 class _Net(eqx.Module):
@@ -243,7 +244,7 @@ def test_scm_pattern_gradient_matches_plain():
         return eqx.filter_jit(eqx.filter_grad(_scm_loss))(net, x, t, v)
 
     got, expected = grads(flash_net), grads(plain_net)
-    np.testing.assert_allclose(got.proj.weight, expected.proj.weight, atol=1e-4)
+    assert_close(got.proj.weight, expected.proj.weight, kind="grad")
     np.testing.assert_allclose(got.attention.query_proj.weight,
                                expected.attention.query_proj.weight, atol=1e-4)
 
@@ -271,7 +272,7 @@ def test_loss_on_the_tangent_raises_clearly():
     flash_fn, plain_fn = _plain_and_flash(causal=True)
     got = jax.jvp(lambda d: tangent_of(flash_fn, d), (d,), (inputs.q,))[1]
     expected = jax.jvp(lambda d: tangent_of(plain_fn, d), (d,), (inputs.q,))[1]
-    np.testing.assert_allclose(got, expected, atol=1e-4)
+    assert_close(got, expected, kind="grad")
 
 
 @pytest.mark.parametrize("how", ["hessian", "grad_of_grad", "jvp_of_jvp"])
@@ -308,4 +309,4 @@ def test_ring_forward_mode_raises_clearly():
     grad = jax.grad(lambda q: jnp.sum(f(q) ** 2))(inputs.q)
     expected = jax.grad(lambda q: jnp.sum(flash_attention(q, inputs.k, inputs.v,
                                                           causal=True)[0] ** 2))(inputs.q)
-    np.testing.assert_allclose(grad, expected, atol=1e-4)
+    assert_close(grad, expected, kind="grad")

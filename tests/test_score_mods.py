@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import seeded_normal, seeded_qkv, values_and_grads
+from helpers import assert_close, seeded_normal, seeded_qkv, values_and_grads
 from hypothesis import given, settings
 
 from eqx_flash import causal_flash_attention, flash_attention, plain_attention
@@ -161,7 +161,7 @@ def test_causal_flash_attention_and_transforms():
     slopes = jnp.asarray([0.3, 0.2, 0.1, 0.05])
     out, _ = causal_flash_attention(q, k, v, bias=bias, alibi_slopes=slopes, **BLOCKS)
     ref, _ = plain_attention(q, k, v, bias=bias, alibi_slopes=slopes, causal=True)
-    np.testing.assert_allclose(out, ref, atol=2e-5)
+    assert_close(out, ref)
     # vmap over the batch, mapping the bias with it, equals the batched call
     mapped = jax.vmap(
         lambda q, k, v, b: causal_flash_attention(q, k, v, bias=b, alibi_slopes=slopes,

@@ -1,0 +1,84 @@
+"""Sinks and merging, interleaved in one process against the plain call.
+
+    python benchmarks/bench_sinks.py [--seq 4096] [--rounds 7]
+
+Configurations: fwd+bwd with and without `sinks` (full and causal), and the forward of
+`merge_attention` over 4 key parts against one call over all the keys. Each round times
+every configuration once, in a shuffled order; prints medians and the ratios.
+"""
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import eqx_flash  # noqa: E402
+
+
+def _grad(**kwargs):
+    def loss(q, k, v, sinks):
+        out, lse = eqx_flash.flash_attention(q, k, v, sinks=sinks, **kwargs)
+        return jnp.sum(out) + jnp.sum(lse)
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+
+
+def _merge_of_parts(parts: int):
+    def f(q, k, v):
+        n = k.shape[-2] // parts
+        results = [eqx_flash.flash_attention(q, k[..., i * n:(i + 1) * n, :],
+                                             v[..., i * n:(i + 1) * n, :])
+                   for i in range(parts)]
+        return eqx_flash.merge_attention(jnp.stack([r[0] for r in results]),
+                                         jnp.stack([r[1] for r in results]))
+
+    return jax.jit(f)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=7)
+    args = p.parse_args()
+    shape = (1, args.heads, args.seq, args.dim)
+    q, k, v = (jax.random.normal(jax.random.key(i), shape) for i in range(3))
+    sinks = jnp.zeros((args.heads,))
+    calls = {
+        "fwd+bwd": (_grad(), (q, k, v, None)),
+        "fwd+bwd sinks": (_grad(), (q, k, v, sinks)),
+        "fwd+bwd causal": (_grad(causal=True), (q, k, v, None)),
+        "fwd+bwd causal sinks": (_grad(causal=True), (q, k, v, sinks)),
+        "fwd one call": (jax.jit(eqx_flash.flash_attention), (q, k, v)),
+        "fwd merge of 4 parts": (_merge_of_parts(4), (q, k, v)),
+    }
+    for fn, fn_args in calls.values():
+        jax.block_until_ready(fn(*fn_args))
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    order = list(calls)
+    for r in range(args.rounds):
+        random.shuffle(order)
+        for name in order:
+            fn, fn_args = calls[name]
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*fn_args))
+            times[name].append(time.perf_counter() - start)
+        print(f"round {r + 1}/{args.rounds} done", flush=True)
+    median = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    print(f"\nseq {args.seq}, {args.heads} heads, dim {args.dim}, {args.rounds} rounds\n")
+    print("| configuration | median ms | ratio |\n|---|---:|---:|")
+    for name, base in (("fwd+bwd sinks", "fwd+bwd"), ("fwd+bwd causal sinks", "fwd+bwd causal"),
+                       ("fwd merge of 4 parts", "fwd one call")):
+        print(f"| {base} | {median[base]:.0f} | |")
+        print(f"| {name} | {median[name]:.0f} | {median[name] / median[base]:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
