@@ -81,7 +81,15 @@ def _configs(seq: int, heads: int, dim: int):
         return _grad(package.flash_attention, mask_mod=_documents,
                      block_mask=block_mask), mha
 
+    segments = (jnp.arange(seq) // 512)[None].astype(jnp.int32)
+
+    def forward(**kwargs):
+        return lambda p: (jax.jit(lambda q, k, v: p.flash_attention(q, k, v, **kwargs)), mha)
+
     return {
+        "forward": forward(),
+        "forward causal": forward(causal=True),
+        "forward segment ids": forward(q_segment_ids=segments, kv_segment_ids=segments),
         "fwd+bwd": lambda p: (_grad(p.flash_attention), mha),
         "fwd+bwd causal": lambda p: (_grad(p.flash_attention, causal=True), mha),
         "fwd+bwd gqa 8/1": lambda p: (_grad(p.flash_attention), gqa),

@@ -43,7 +43,7 @@ from .._semantics.masking import (
     valid_rows,
 )
 from .._semantics.score_terms import additive
-from .._semantics.softmax import finish, with_sink
+from .._semantics.softmax import finish, poison, with_sink
 from .binder import bind
 
 
@@ -138,7 +138,12 @@ def plain_attention(
         weights_v = jnp.where(keep, unnormalised / (1.0 - rate), 0.0)
     else:
         weights_v = unnormalised
-    acc = jnp.einsum("bhgqk,bhgkd->bhgqd", weights_v, v5)
+    # A non-finite value reaches exactly the rows that attend its key (`finish` makes
+    # their output NaN); with a weight of 0 elsewhere, 0 * NaN would reach them all.
+    finite_v = jnp.isfinite(v5)
+    acc = jnp.einsum("bhgqk,bhgkd->bhgqd", weights_v, jnp.where(finite_v, v5, 0.0))
+    reaches = jnp.any(allowed & ~jnp.all(finite_v, axis=-1)[..., None, :], axis=-1)
+    acc = poison(acc, reaches)
     out, lse = finish(acc, row_max[..., 0], unnormalised.sum(axis=-1))
     out, lse = with_sink(out, lse, None if ops.sinks is None else ops.sinks[..., 0])
     return merge_heads(out.astype(q.dtype), lse, shapes)

@@ -23,9 +23,11 @@ from .._semantics import softmax
 from .heads import Head, per_head
 from .schedule import Bands, Limits, band_ranges, over_band, run_limits
 from .tile import (
+    attended_values,
     dropout_multiplier,
     logits,
     matmul,
+    nonfinite_keys,
     rows,
     scaled,
     score_fn,
@@ -43,6 +45,7 @@ class _ForwardHead(NamedTuple):
     q: Array  # (groups, seq_q, dim), already `scaled`
     k: Array  # (seq_k, dim)
     v: Array  # (seq_k, dim_v)
+    bad_key: Array  # (seq_k,) bool, `tile.nonfinite_keys` of v
 
 
 def forward(cfg: KernelConfig, q: Array, k: Array, v: Array, ops: Operands
@@ -56,7 +59,7 @@ def forward(cfg: KernelConfig, q: Array, k: Array, v: Array, ops: Operands
 def _forward_head(cfg: KernelConfig, bands: Bands, head: Head, arrays: tuple[Array, ...]
                   ) -> tuple[Array, Array]:
     q, k, v = arrays  # (g, seq_q, d), (seq_k, d), (seq_k, dv)
-    inputs = _ForwardHead(cfg, head, scaled(cfg, q), k, v)
+    inputs = _ForwardHead(cfg, head, scaled(cfg, q), k, v, nonfinite_keys(v))
     limits = run_limits(cfg, head.operands, by="q")
 
     def query_block(_, i):
@@ -102,5 +105,8 @@ def _forward_tile(
     p, alpha, row_max, row_sum = softmax.rescale(state, s)
     drop = dropout_multiplier(cfg, head, q_start, k_start, stat)
     p_v = p if drop is None else p * drop
+    bad_key = rows(inputs.bad_key, k_start, cfg.block_k, 0)
+    v_blk, reaches_nonfinite = attended_values(v_blk, mask, bad_key)
     pv = matmul(p_v.astype(inputs.v.dtype), v_blk, "qk,kd->qd", stat)
-    return softmax.Running(alpha[..., None] * state.acc + pv, row_max, row_sum)
+    acc = softmax.poison(alpha[..., None] * state.acc + pv, reaches_nonfinite)
+    return softmax.Running(acc, row_max, row_sum)

@@ -23,7 +23,15 @@ from .._core.operands import Operands, padded
 from .._semantics import softmax
 from .heads import Head, Rows, per_head
 from .schedule import band_ranges, run_limits
-from .tile import allowed, dropout_multiplier, logits, rows, scaled, unscan
+from .tile import (
+    allowed,
+    attended_values,
+    dropout_multiplier,
+    logits,
+    rows,
+    scaled,
+    unscan,
+)
 
 
 def split_k_applies(cfg: KernelConfig, ops: Operands) -> bool:
@@ -87,8 +95,7 @@ def _split_k_head(
             s = jnp.where(mask, s, -jnp.inf)
             # The cache is not cleaned up front (`split_k_applies`): a value row that no
             # query of this block sees may be garbage (NaN), and 0 * NaN is NaN.
-            seen = jnp.any(mask, axis=tuple(range(mask.ndim - 1)))[:, None]
-            v_blk = jnp.where(seen, v_blk, jnp.zeros((), v_blk.dtype))
+            v_blk, reaches_nonfinite = attended_values(v_blk, mask, lanes=lanes)
             s = jnp.moveaxis(s.reshape(groups, cfg.block_q, lanes, bk), 2, 0)
             p, alpha, row_max, row_sum = softmax.rescale(state, s)
             drop = dropout_multiplier(wide, head, q_start, k_start, stat)
@@ -97,7 +104,8 @@ def _split_k_head(
             v_lanes = v_blk.reshape(lanes, bk, v_blk.shape[-1])
             pv = jnp.einsum("lgqk,lkd->lgqd", p.astype(v_blk.dtype), v_lanes,
                             preferred_element_type=stat)
-            return softmax.Running(alpha[..., None] * state.acc + pv, row_max, row_sum)
+            acc = softmax.poison(alpha[..., None] * state.acc + pv, reaches_nonfinite)
+            return softmax.Running(acc, row_max, row_sum)
 
         state = jax.lax.fori_loop(lo[i] // lanes, -(-hi[i] // lanes), one_round, state)
         out, lse = softmax.finish(*state)  # per lane: (lanes, g, bq, dv), (lanes, g, bq)

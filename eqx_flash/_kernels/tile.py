@@ -230,6 +230,54 @@ def dropout_multiplier(
                      jnp.asarray(0.0, dtype))
 
 
+def nonfinite_keys(v: Array) -> Array:
+    """Bool `(..., seq_k)`: the keys whose value row holds a NaN or an infinity."""
+    return ~jnp.all(jnp.isfinite(v), axis=-1)
+
+
+def attended_values(v_blk: Array, mask: Array | None, bad_key: Array | None = None,
+                    lanes: int = 1) -> tuple[Array, Array | None]:
+    """The value block for `p @ v` in a block with masked pairs, and which of its rows
+    attend a non-finite value (`bad_key`: `nonfinite_keys` of the block, computed here
+    if not given), `(groups|1,
+    block_q|1)` (None: no mask); with `lanes` (split-K: the block is `lanes` blocks side
+    by side), `(lanes, groups|1, block_q|1)`.
+
+    A masked pair has weight 0, but `0 * NaN` is NaN, and the product would carry a NaN
+    (or inf) value to every row of the block, the ones that do not attend it included.
+    So non-finite value rows are zeroed for the product and the rows that do attend one
+    are marked (`softmax.poison`): the NaN reaches exactly the rows that attend it. In a
+    block without masked pairs every row attends every key, and the product itself
+    carries it. A block of finite values (the usual case) skips all of it."""
+    if mask is None:
+        return v_blk, None
+    lead = (1,) * (mask.ndim - 1)
+    if mask.shape[:-1] == lead:  # one row pattern (a decoding query): the keys it sees
+        seen = mask.reshape(-1, 1)  # are exactly the attended ones, and no row is spared
+        return jnp.where(seen, v_blk, jnp.zeros((), v_blk.dtype)), None
+    if bad_key is None:
+        bad_key = nonfinite_keys(v_blk)
+    rows_shape = mask.shape[:-1] if lanes == 1 else (lanes, *mask.shape[:-1])
+
+    def clean(v_blk: Array) -> tuple[Array, Array]:
+        if lanes == 1:
+            reaches = jnp.any(mask & bad_key.reshape(*lead, -1), axis=-1)
+        else:
+            by_lane = (mask.reshape(*mask.shape[:-1], lanes, -1)
+                       & bad_key.reshape(*lead, lanes, -1))
+            reaches = jnp.moveaxis(jnp.any(by_lane, axis=-1), -1, 0)
+        return jnp.where(bad_key[:, None], jnp.zeros((), v_blk.dtype), v_blk), reaches
+
+    def as_is(v_blk: Array) -> tuple[Array, Array]:
+        # Built from the mask and bad_key, so that under shard_map it varies as `clean`'s.
+        none = jnp.zeros_like(mask[..., 0]) & bad_key[0]
+        return v_blk, jnp.broadcast_to(none, rows_shape)
+
+    if lanes > 1:  # flash-decoding reads each round once, in place: a cond would copy it
+        return clean(v_blk)
+    return jax.lax.cond(jnp.any(bad_key), clean, as_is, v_blk)
+
+
 def transposed(x: Array | None, groups: int, block_q: int) -> Array | None:
     """A per-block array `(groups|1, block_q|1, block_k|1)` in the layout of the
     transposed logits, `(block_k|1, groups * block_q|1)`, broadcasting where it did."""

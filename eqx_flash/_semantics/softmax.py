@@ -47,12 +47,27 @@ def rescale(state: Running, s: Array) -> tuple[Array, Array, Array, Array]:
 
 def finish(acc: Array, row_max: Array, row_sum: Array) -> tuple[Array, Array]:
     """`(out, lse)` from unnormalised accumulators: `out = acc / row_sum`,
-    `lse = row_max + log(row_sum)`; a row with `row_sum == 0` gets 0 and -inf."""
-    attended = row_sum > 0
+    `lse = row_max + log(row_sum)`; a row with `row_sum == 0` gets 0 and -inf.
+
+    A non-finite value that a row attends propagates: a NaN or infinite score makes
+    `row_sum` NaN (so lse and out are NaN), and a non-finite value makes the whole output
+    row NaN (`acc` non-finite in any column), whatever the block sizes. Rows that attend
+    nothing are never NaN (`row_sum` is exactly 0 there)."""
+    attended = row_sum != 0  # NaN compares unequal: a NaN row is "attended" and stays NaN
     safe_sum = jnp.where(attended, row_sum, 1.0)
     out = jnp.where(attended[..., None], acc / safe_sum[..., None], 0.0)
+    reached_nonfinite = ~jnp.all(jnp.isfinite(out), axis=-1, keepdims=True)
+    out = jnp.where(reached_nonfinite, jnp.asarray(jnp.nan, out.dtype), out)
     lse = jnp.where(attended, row_max + jnp.log(safe_sum), -jnp.inf)
     return out, lse
+
+
+def poison(acc: Array, reaches_nonfinite: Array | None) -> Array:
+    """`acc` with the rows that attend a non-finite value (`tile.attended_values`) set to
+    NaN, which `finish` keeps."""
+    if reaches_nonfinite is None:
+        return acc
+    return jnp.where(reaches_nonfinite[..., None], jnp.asarray(jnp.nan, acc.dtype), acc)
 
 
 def merge(out: Array, lse: Array, part_out: Array, part_lse: Array) -> tuple[Array, Array]:

@@ -1,0 +1,180 @@
+"""A NaN or infinity in q, k or v reaches exactly the outputs that attend it (#22.1).
+
+Which rows attend a key is measured independently of any masking code: on the clean
+problem, the jvp of the reference along that key's value row is non-zero exactly in the
+rows that give the key a positive weight. A NaN put there must make those output rows
+NaN (and their lse too, for a NaN key), leave every other row as it was, and do so
+whatever the block sizes and on every path: the blockwise kernels, flash-decoding's
+split-K lanes, the reference, the ring and the modules. Padding and masked positions
+(lengths, key masks, segment ids, causal, windows, pair masks) reach nothing.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_close, assert_lse_close, seeded_qkv
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import eqx_flash
+from eqx_flash import flash_attention, plain_attention
+from eqx_flash.testing import AttentionInputs, attention_inputs
+
+BLOCKS = ("block_q", "block_k")
+
+
+def _reference_kwargs(inputs: AttentionInputs) -> dict:
+    return {n: x for n, x in inputs.kwargs.items() if n not in BLOCKS}
+
+
+def _rows_attending_key(inputs: AttentionInputs, kv_index: tuple[int, ...]) -> np.ndarray:
+    """Bool `(*batch, heads, seq_q)`: the rows whose output moves with value row
+    `kv_index` (`(*batch, kv_head, key)`) of the clean problem."""
+    tangent = np.zeros(inputs.v.shape, np.float32)
+    tangent[kv_index] = 1.0
+    _, (d_out, _) = jax.jvp(
+        lambda v: plain_attention(inputs.q, inputs.k, v, **_reference_kwargs(inputs)),
+        (inputs.v,), (jnp.asarray(tangent, inputs.v.dtype),))
+    return np.asarray(jnp.any(d_out != 0, axis=-1))
+
+
+def _with(x: jax.Array, index: tuple[int, ...], value: float) -> jax.Array:
+    y = np.array(x)
+    y[index] = value
+    return jnp.asarray(y)
+
+
+def _assert_only_rows_nan(out, lse, clean, nan_rows, lse_nan: bool):
+    """`out` NaN in whole rows exactly at `nan_rows`, equal to `clean` elsewhere; `lse`
+    NaN at `nan_rows` if `lse_nan`, else equal to the clean lse everywhere."""
+    out, lse = np.asarray(out, np.float32), np.asarray(lse, np.float32)
+    clean_out, clean_lse = (np.asarray(x, np.float32) for x in clean)
+    np.testing.assert_array_equal(np.isnan(out).any(-1), nan_rows, "rows with a NaN")
+    np.testing.assert_array_equal(np.isnan(out).all(-1), nan_rows, "rows wholly NaN")
+    assert_close(out[~nan_rows], clean_out[~nan_rows])
+    if lse_nan:
+        np.testing.assert_array_equal(np.isnan(lse), nan_rows, "lse NaN")
+        assert_lse_close(lse[~nan_rows], clean_lse[~nan_rows])
+    else:
+        assert_lse_close(lse, clean_lse)
+
+
+def _draw_position(draw, shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(draw(st.integers(0, n - 1)) for n in shape)
+
+
+@settings(max_examples=25, deadline=None)
+@given(attention_inputs(dtypes=[jnp.float32], max_seq=64, lengths=None),
+       st.sampled_from(["q", "k", "v"]), st.data())
+def test_property_a_nan_reaches_exactly_the_rows_that_attend_it(inputs, where, data):
+    target = getattr(inputs, where)
+    index = _draw_position(data.draw, target.shape)
+    clean = flash_attention(inputs.q, inputs.k, inputs.v, **inputs.kwargs)
+    reference_clean = plain_attention(inputs.q, inputs.k, inputs.v, **_reference_kwargs(inputs))
+    if where == "q":  # that row, if it attends anything
+        nan_rows = np.zeros(inputs.q.shape[:-1], bool)
+        row = index[:-1]
+        nan_rows[row] = np.isfinite(np.asarray(reference_clean[1])[row])
+    else:
+        nan_rows = _rows_attending_key(inputs, index[:-1])
+    broken = dataclasses.replace(inputs, **{where: _with(target, index, np.nan)})
+    for fn, kwargs, ref in ((flash_attention, broken.kwargs, clean),
+                            (plain_attention, _reference_kwargs(broken), reference_clean)):
+        out, lse = fn(broken.q, broken.k, broken.v, **kwargs)
+        _assert_only_rows_nan(out, lse, ref, nan_rows, lse_nan=where != "v")
+
+
+@settings(max_examples=15, deadline=None)
+@given(attention_inputs(dtypes=[jnp.float32], max_seq=64, lengths=None, softcap=None),
+       st.sampled_from(["q", "k", "v"]), st.sampled_from([np.inf, -np.inf]), st.data())
+def test_property_infinities_give_the_references_nan_pattern(inputs, where, value, data):
+    """An infinite score is NaN (`inf - inf`) or a weight of 0 (`-inf`), a soft-capped
+    one finite: the kernels agree with the reference on every row, for any block size."""
+    target = getattr(inputs, where)
+    index = _draw_position(data.draw, target.shape)
+    broken = dataclasses.replace(inputs, **{where: _with(target, index, value)})
+    out, lse = flash_attention(broken.q, broken.k, broken.v, **broken.kwargs)
+    ref_out, ref_lse = plain_attention(broken.q, broken.k, broken.v, **_reference_kwargs(broken))
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref_out))
+    np.testing.assert_array_equal(np.isnan(lse), np.isnan(ref_lse))
+    finite = ~np.isnan(np.asarray(ref_out)).any(-1)
+    assert_close(np.asarray(out)[finite], np.asarray(ref_out)[finite])
+
+
+def test_the_issues_example_is_nan_for_every_block_size():
+    q, k, v = (jax.random.normal(jax.random.key(i), (2, 16, 8)) for i in range(3))
+    k = k.at[0, 5, 1].set(jnp.nan)
+    for blocks in ({}, {"block_q": 4, "block_k": 4}, {"block_q": 8, "block_k": 2}):
+        out, lse = flash_attention(q, k, v, **blocks)
+        assert np.isnan(out[0]).all() and np.isnan(lse[0]).all()
+        assert np.isfinite(out[1]).all() and np.isfinite(lse[1]).all()
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_causal_value_reaches_only_later_rows(value):
+    """Within one diagonal block too: a masked pair's weight 0 times NaN must not reach."""
+    q, k, v = seeded_qkv((1, 2, 32, 8), (1, 2, 32, 8))
+    v = v.at[0, 0, 9, 3].set(value)
+    for blocks in ({}, {"block_q": 16, "block_k": 16}, {"block_q": 4, "block_k": 8}):
+        out, lse = eqx_flash.causal_flash_attention(q, k, v, **blocks)
+        rows = np.isnan(np.asarray(out[0, 0])).any(-1)
+        np.testing.assert_array_equal(rows, np.arange(32) >= 9)
+        assert np.isfinite(out[0, 1]).all() and np.isfinite(lse).all()
+
+
+@pytest.mark.parametrize("where", ["k", "v"])
+def test_split_k_decoding_lanes(where):
+    """One query against many keys runs flash-decoding's lanes; a NaN key past the
+    valid length (an unwritten cache slot) reaches nothing, one inside reaches the row."""
+    q, k, v = seeded_qkv((2, 4, 1, 16), (2, 2, 512, 16))
+    lengths = jnp.array([300, 512])
+    clean = flash_attention(q, k, v, kv_lengths=lengths)
+    arrays = {"k": k, "v": v}
+    arrays[where] = arrays[where].at[0, 1, 400].set(jnp.nan).at[1, 0, 10, 2].set(jnp.nan)
+    out, lse = flash_attention(q, arrays["k"], arrays["v"], kv_lengths=lengths)
+    nan_rows = np.zeros((2, 4, 1), bool)
+    nan_rows[1, 0:2] = True  # kv head 0 of batch 1 serves query heads 0 and 1
+    _assert_only_rows_nan(out, lse, clean, nan_rows, lse_nan=where == "k")
+
+
+@pytest.mark.parametrize("masking", ["mask", "attn_mask", "segment_ids", "window"])
+def test_masked_positions_reach_nothing(masking):
+    q, k, v = seeded_qkv((1, 2, 24, 8), (1, 2, 24, 8))
+    key_mask = jnp.arange(24) != 7
+    kwargs = {
+        "mask": {"mask": jnp.broadcast_to(key_mask, (1, 24))},
+        "attn_mask": {"attn_mask": jnp.broadcast_to(jnp.arange(24)[None, :] != 7, (24, 24))},
+        "segment_ids": {"q_segment_ids": (jnp.arange(24) >= 12).astype(jnp.int32)[None],
+                        "kv_segment_ids": (jnp.arange(24) >= 12).astype(jnp.int32)[None]},
+        "window": {"window": (2, 2)},
+    }[masking]
+    clean = flash_attention(q, k, v, block_q=8, block_k=8, **kwargs)
+    broken_v = v.at[0, :, 7].set(jnp.nan)
+    out, lse = flash_attention(q, k, broken_v, block_q=8, block_k=8, **kwargs)
+    ref_out, _ = plain_attention(q, k, broken_v, **kwargs)
+    reaches = {"mask": np.zeros(24, bool), "attn_mask": np.zeros(24, bool),
+               "segment_ids": np.arange(24) < 12,
+               "window": np.abs(np.arange(24) - 7) <= 2}[masking]
+    nan_rows = np.broadcast_to(reaches, (1, 2, 24))
+    _assert_only_rows_nan(out, lse, clean, nan_rows, lse_nan=False)
+    np.testing.assert_array_equal(np.isnan(ref_out).any(-1), nan_rows)
+
+
+def test_ring_on_one_device_and_the_module():
+    from jax.sharding import Mesh, PartitionSpec
+
+    q, k, v = seeded_qkv((1, 2, 16, 8), (1, 2, 16, 8))
+    v = v.at[0, 1, 4, 0].set(jnp.nan)
+    expected = np.zeros((1, 2, 16), bool)
+    expected[0, 1, 4:] = True
+    seq = PartitionSpec(None, None, "seq")
+    mesh = Mesh(np.array(jax.devices()[:1]), ("seq",))
+    ring = jax.shard_map(
+        lambda q, k, v: eqx_flash.ring_flash_attention(q, k, v, axis_name="seq", causal=True),
+        mesh=mesh, in_specs=(seq, seq, seq), out_specs=(seq, seq))
+    module = eqx_flash.FlashAttention(causal=True)
+    for out in (ring(q, k, v)[0], module(q[0], k[0], v[0])[None]):
+        np.testing.assert_array_equal(np.isnan(np.asarray(out)).any(-1), expected)
