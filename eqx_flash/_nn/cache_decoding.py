@@ -37,6 +37,12 @@ def decode_with_cache(layer: Any, x: Array, cache: KVCache, process_heads: Any
         if process_heads is not None:
             q, k, v = process(process_heads, q, k, v, positions)
         q, k, v = (jnp.swapaxes(x_, 0, 1) for x_ in (q, k, v))
+        # Attention runs in the cache's dtype: the new k, v are written in it and q is
+        # cast to it (a few rows), rather than the whole cache cast up to q's dtype each
+        # step; the kernels accumulate in float32 either way. Out returns in q's dtype.
+        out_dtype = q.dtype
+        q = q.astype(cache.k.dtype)
+        k, v = k.astype(cache.k.dtype), v.astype(cache.v.dtype)
         blocks: dict[str, Any] = dict(block_q=layer.block_q, block_k=layer.block_k,
                                       softcap=layer.softcap, sinks=layer.sinks)
         if cache.window is None:
@@ -59,13 +65,13 @@ def decode_with_cache(layer: Any, x: Array, cache: KVCache, process_heads: Any
             rel = positions[:, None] - key_pos[None, :]
             allowed = (key_pos[None, :] >= 0) & (rel >= 0) & (rel <= window.left)
             heads, _ = flash_attention(
-                q, jnp.concatenate([cache.k, k.astype(cache.k.dtype)], axis=1),
-                jnp.concatenate([cache.v, v.astype(cache.v.dtype)], axis=1),
+                q, jnp.concatenate([cache.k, k], axis=1),
+                jnp.concatenate([cache.v, v], axis=1),
                 attn_mask=allowed, **blocks,
                 **_mods_at(layer, positions[0], jnp.maximum(key_pos, 0)),
             )
             cache = cache.append(k, v)
-        attn = jnp.swapaxes(heads, 0, 1).reshape(n, -1)
+        attn = jnp.swapaxes(heads, 0, 1).reshape(n, -1).astype(out_dtype)
         return jax.vmap(layer.output_proj)(attn), cache
 
 
