@@ -63,10 +63,17 @@ def decode_with_cache(layer: Any, x: Array, cache: KVCache, process_heads: Any
             # Attend to the buffer and the new tokens by absolute position, then write.
             key_pos = jnp.concatenate([cache.positions(), positions])
             rel = positions[:, None] - key_pos[None, :]
-            allowed = (key_pos[None, :] >= 0) & (rel >= 0) & (rel <= window.left)
+            written = key_pos >= 0
+            allowed = written[None, :] & (rel >= 0) & (rel <= window.left)
+            # A slot never written holds whatever the buffer was made with (NaN from a
+            # donated or uninitialised buffer): masking it is not enough (0 * NaN in
+            # p @ v), so its keys and values are zeroed; fused into the concatenation.
+            def attended(buffer: Array, new: Array) -> Array:
+                both = jnp.concatenate([buffer, new], axis=1)
+                return jnp.where(written[None, :, None], both, jnp.zeros((), both.dtype))
+
             heads, _ = flash_attention(
-                q, jnp.concatenate([cache.k, k], axis=1),
-                jnp.concatenate([cache.v, v], axis=1),
+                q, attended(cache.k, k), attended(cache.v, v),
                 attn_mask=allowed, **blocks,
                 **_mods_at(layer, positions[0], jnp.maximum(key_pos, 0)),
             )
