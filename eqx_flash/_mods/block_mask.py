@@ -91,6 +91,9 @@ def make_block_mask(
     if not all(isinstance(n, int) and n > 0 for n in batch_shape):
         raise ValueError(f"batch_shape must be a tuple of positive ints; got {batch_shape!r}")
     batch_shape = tuple(int(n) for n in batch_shape)
+    for name, n in (("heads", heads), ("seq_q", seq_q), ("seq_k", seq_k)):
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+            raise ValueError(f"{name} must be a positive int; got {name}={n!r}")
     groups = 1 if kv_heads is None else max(heads // kv_heads, 1)
     options = make_options(block_q=block_q, block_k=block_k)
     tuned_q, tuned_k = default_blocks(Window(), groups)

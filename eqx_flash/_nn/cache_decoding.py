@@ -29,6 +29,10 @@ def decode_with_cache(layer: Any, x: Array, cache: KVCache, process_heads: Any
     if x.shape[-1] != layer.query_size:
         raise ValueError(f"x must have shape (n, {layer.query_size}); got x.shape={x.shape}")
     n = x.shape[0]
+    if cache.window is not None:
+        _check_rolling(layer, cache)
+    if n == 0:  # no new tokens: empty out, the cache unchanged
+        return jnp.zeros((0, layer.output_size), x.dtype), cache
     with jax.named_scope("eqx_flash.FlashMultiheadAttention.decode"):
         q = project(layer.query_proj, x, layer.num_heads)
         k = project(layer.key_proj, x, layer.num_kv_heads)
@@ -53,13 +57,7 @@ def decode_with_cache(layer: Any, x: Array, cache: KVCache, process_heads: Any
                                        causal=layer.causal, window=layer.window, **blocks,
                                        **mods)
         else:
-            window = make_options(**static_options(layer)).window
-            if window.right != 0 or window.left is None or window.left >= cache.size:
-                raise ValueError(
-                    f"a rolling cache of {cache.size} entries needs a causal layer whose "
-                    f"window reaches back at most {cache.size - 1} tokens; got "
-                    f"causal={layer.causal}, window={layer.window!r}"
-                )
+            window = _check_rolling(layer, cache)
             # Attend to the buffer and the new tokens by absolute position, then write.
             key_pos = jnp.concatenate([cache.positions(), positions])
             rel = positions[:, None] - key_pos[None, :]
@@ -80,6 +78,18 @@ def decode_with_cache(layer: Any, x: Array, cache: KVCache, process_heads: Any
             cache = cache.append(k, v)
         attn = jnp.swapaxes(heads, 0, 1).reshape(n, -1).astype(out_dtype)
         return jax.vmap(layer.output_proj)(attn), cache
+
+
+def _check_rolling(layer: Any, cache: KVCache) -> Any:
+    """The layer's window, which a rolling `cache` must cover."""
+    window = make_options(**static_options(layer)).window
+    if window.right != 0 or window.left is None or window.left >= cache.size:
+        raise ValueError(
+            f"a rolling cache of {cache.size} entries needs a causal layer whose "
+            f"window reaches back at most {cache.size - 1} tokens; got "
+            f"causal={layer.causal}, window={layer.window!r}"
+        )
+    return window
 
 
 def _mods_at(layer: Any, q_offset: Array, kv_positions: Array | None) -> dict[str, Any]:
