@@ -177,7 +177,9 @@ def flash_attention(
         `q_lengths` get `out = 0`, `lse = -inf` and zero gradients; `causal` and `window`
         align bottom-right on the valid lengths (`p = i + kv_length - q_length`). Key blocks
         past the lengths are not computed. Padding (and keys the key `mask` hides from every
-        query head) may hold NaN or inf: it reaches no output and no gradient.
+        query head) may hold NaN or inf: it reaches no output and no gradient. Concrete
+        lengths outside `[0, seq]` raise; traced ones (under `jax.jit`) are clamped into
+        it, since a runtime check could abort a multi-device program.
     - `scale`: logit scale, default `1/sqrt(dim)`.
     - `softcap`: if given, logits become `softcap * tanh(logits / softcap)` after scaling.
     - `block_q`, `block_k`: block sizes; default to values tuned for CPU.
