@@ -315,6 +315,69 @@ def check_ring_score_terms():
     }
 
 
+def check_traced_lengths():
+    """Out-of-range lengths inside `jax.jit` on multi-device programs: clamped, never an
+    abort (an `eqx.error_if` followed by collectives hung, then killed the process).
+    `sharded_flash_attention`, causal, with `kv_lengths - q_lengths != seq_k - seq_q` and
+    a length past the sequence; `flash_attention` with the batch sharded over 4 devices
+    and `kv_lengths` past `seq_k` and below 0. Each against the in-range-equivalent call."""
+    result = {}
+    (q, k, v), *_ = _inputs(64, 64)
+    mesh = _seq_mesh(4)
+
+    def sharded(q_lengths, kv_lengths):
+        return eqx_flash.sharded_flash_attention(
+            q, k, v, mesh=mesh, seq_axis="seq", causal=True, q_lengths=q_lengths,
+            kv_lengths=kv_lengths, block_q=16, block_k=16)
+
+    def single(q_lengths, kv_lengths):
+        return eqx_flash.flash_attention(q, k, v, causal=True, q_lengths=q_lengths,
+                                         kv_lengths=kv_lengths, block_q=16, block_k=16)
+
+    jitted = jax.jit(sharded)
+    equivalent = sharded(jnp.array([64, 20]), jnp.array([64, 20]))  # eager, concrete
+    reference = single(jnp.array([64, 20]), jnp.array([64, 20]))
+    for name, (ql, kl) in {"mismatch": ([64, 20], [64, 30]),
+                           "past_seq": ([99, 20], [64, 30])}.items():
+        out, lse = jax.block_until_ready(jitted(jnp.array(ql), jnp.array(kl)))
+        result[f"sharded_{name}"] = {
+            "vs_equivalent": _max_diff((out, lse), equivalent),
+            "vs_flash_attention": _max_diff((out, lse), reference),
+            "finite": bool(np.all(np.isfinite(np.asarray(out)))),
+        }
+
+    kb = jax.random.split(jax.random.key(1), 3)
+    qb, kb_, vb = (jax.random.normal(kb[i], (4, 2, 32, D)) for i in range(3))
+    data = Mesh(np.array(jax.devices()[:4]), ("data",))
+    qkv_shard, len_shard = NamedSharding(data, P("data")), NamedSharding(data, P("data"))
+    placed = [jax.device_put(x, qkv_shard) for x in (qb, kb_, vb)]
+    flash = jax.jit(lambda q, k, v, n: eqx_flash.flash_attention(q, k, v, kv_lengths=n,
+                                                                 block_q=16, block_k=16))
+    for name, (given, clamped) in {"past_seq": ([32, 40, 5, 6], [32, 32, 5, 6]),
+                                   "negative": ([32, 40, -5, 6], [32, 32, 0, 6])}.items():
+        got = jax.block_until_ready(
+            flash(*placed, jax.device_put(jnp.array(given, jnp.int32), len_shard)))
+        expected = eqx_flash.flash_attention(qb, kb_, vb, kv_lengths=jnp.array(clamped),
+                                             block_q=16, block_k=16)
+        result[f"flash_batch_sharded_{name}"] = {
+            "vs_equivalent": _max_diff(got, expected),
+            "finite": bool(np.all(np.isfinite(np.asarray(got[0])))),
+        }
+    return result
+
+
+def _max_diff(got, expected) -> float:
+    """Largest |got - expected| over (out, lse); -inf must match -inf."""
+    worst = 0.0
+    for a, b in zip(got, expected, strict=True):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        if not np.array_equal(np.isneginf(a), np.isneginf(b)):
+            return float("inf")
+        finite = ~np.isinf(b)
+        worst = max(worst, float(np.max(np.abs(a[finite] - b[finite]), initial=0.0)))
+    return worst
+
+
 CHECKS = {name[len("check_"):]: fn for name, fn in globals().items() if name.startswith("check_")}
 
 

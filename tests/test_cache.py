@@ -132,3 +132,54 @@ def test_rotary_matches_equinox_at_offset_zero(dtype):
                                np.asarray(got[3:], np.float32), rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="even last axis"):
         rotary(jnp.ones((3, 5)), jnp.arange(3))
+
+
+def _decode_all(mha, x, cache):
+    decode = eqx.filter_jit(lambda m, x, c: m.decode(x, c, process_heads=_rope))
+    out, cache = decode(mha, x[:5], cache)
+    outs = [out]
+    for t in range(5, x.shape[0]):
+        out, cache = decode(mha, x[t : t + 1], cache)
+        outs.append(out)
+    return jnp.concatenate(outs), cache
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_bfloat16_cache_matches_float32_cache(getkey, window):
+    """init_cache(dtype=bfloat16) under a float32 layer: the new keys and values are
+    written in bfloat16 and attention runs in it; the result is the float32 cache's within
+    bfloat16 tolerance, in the layer's dtype."""
+    layer_window = None if window is None else (window - 1, 0)
+    mha = FlashMultiheadAttention(4, 16, num_kv_heads=2, causal=True, window=layer_window,
+                                  key=getkey())
+    x = jax.random.normal(getkey(), (9, 16))
+    expected, _ = _decode_all(mha, x, mha.init_cache(16, window=window))
+    out, cache = _decode_all(mha, x, mha.init_cache(16, window=window, dtype=jnp.bfloat16))
+    assert cache.k.dtype == cache.v.dtype == jnp.bfloat16
+    assert out.dtype == jnp.float32
+    assert int(cache.length) == 9
+    assert_close(out, expected, dtype=jnp.bfloat16)
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_never_written_slots_reach_nothing(getkey, window):
+    """Buffers full of NaN before any write (an uninitialised or donated buffer): decode
+    gives the clean cache's finite outputs, in rolling mode too (its empty slots are
+    masked by position, and their values zeroed before attending)."""
+    layer_window = None if window is None else (window - 1, 0)
+    mha = FlashMultiheadAttention(4, 16, num_kv_heads=2, causal=True, window=layer_window,
+                                  key=getkey())
+    x = jax.random.normal(getkey(), (7, 16))
+    clean = mha.init_cache(16, window=window)
+    dirty = eqx.tree_at(lambda c: (c.k, c.v), clean,
+                        (jnp.full_like(clean.k, jnp.nan), jnp.full_like(clean.v, jnp.nan)))
+    decode = eqx.filter_jit(lambda m, x, c: m.decode(x, c, process_heads=_rope))
+    for n in (1, 2):  # a first step with fewer tokens than the buffer holds, then prefill
+        expected, _ = decode(mha, x[:n], clean)
+        out, _ = decode(mha, x[:n], dirty)
+        assert bool(jnp.all(jnp.isfinite(out)))
+        assert_close(out, expected)
+    expected, _ = _decode_all(mha, x, clean)
+    out, _ = _decode_all(mha, x, dirty)
+    assert bool(jnp.all(jnp.isfinite(out)))
+    assert_close(out, expected)

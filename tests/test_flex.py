@@ -653,3 +653,26 @@ def test_frozen_score_mod_accumulates_no_cotangent():
         q, rpb, _flash).as_text()
     assert "scatter" in both
     assert "scatter" not in only_q
+
+
+@pytest.mark.parametrize("fn", [_flash, plain_attention])
+def test_shared_block_mask_for_a_mask_mod_reading_head_or_batch_is_refused(fn):
+    """A block mask built shared (`batch_shape=()`, `heads=1`) summarises the mask_mod at
+    batch 0, head 0 only: for a mask_mod that reads `head` (or `batch`) it would be wrong,
+    so the call refuses it naming `block_mask`; one that reads neither keeps working."""
+    q, k, v = _qkv()
+    per_head = lambda b, h, i, j: (j <= i + 4 * h)  # noqa: E731
+    per_batch = lambda b, h, i, j: (j <= i + 8 * b)  # noqa: E731
+    for mask_mod, what in ((per_head, "head"), (per_batch, "batch")):
+        shared = make_block_mask(mask_mod, (), 1, SQ, SK, **BLOCKS)
+        with pytest.raises(ValueError, match=f"block_mask was built shared over {what}"):
+            fn(q, k, v, mask_mod=mask_mod, block_mask=shared)
+    full = make_block_mask(per_head, (), H, SQ, SK, **BLOCKS)  # shared over batch only
+    out, _ = fn(q, k, v, mask_mod=per_head, block_mask=full)
+    expected, _ = fn(q, k, v, mask_mod=per_head)
+    assert_close(out, expected)
+    causal = lambda b, h, i, j: j <= i  # noqa: E731
+    out, _ = fn(q, k, v, mask_mod=causal,
+                block_mask=make_block_mask(causal, (), 1, SQ, SK, **BLOCKS))
+    expected, _ = fn(q, k, v, mask_mod=causal)
+    assert_close(out, expected)

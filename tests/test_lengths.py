@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from helpers import assert_close, assert_lse_close, outputs_and_grads, qkv
 
+import eqx_flash
 from eqx_flash import causal_flash_attention, flash_attention, plain_attention
 
 B, H, KV, D = 3, 4, 2, 8
@@ -142,10 +143,24 @@ def test_length_errors_name_the_argument(fn):
         fn(q, k, v, kv_lengths=jnp.array([1, 31, 3]))
     with pytest.raises(ValueError, match=r"q_lengths must lie in \[0, 10\]"):
         fn(q, k, v, q_lengths=jnp.array([-1, 2, 3]))
-    jitted = jax.jit(lambda n: fn(q, k, v, kv_lengths=n)[0])
-    with pytest.raises(Exception, match=r"kv_lengths must lie in \[0, 30\]"):
-        jax.block_until_ready(jitted(jnp.array([1, 40, 3])))
-    assert eqx.is_array(jitted(jnp.array([1, 30, 3])))
+    with pytest.raises(ValueError, match=r"kv_lengths must lie in \[0, 30\]"):
+        fn(q, k, v, kv_lengths=np.array([1, 31, 3]))  # NumPy: concrete too
+    with pytest.raises(ValueError, match=r"q_lengths must lie in \[0, 10\]"):
+        fn(q, k, v, q_lengths=11)
+
+
+@pytest.mark.parametrize("fn", [flash_attention, plain_attention])
+def test_traced_out_of_range_lengths_are_clamped(fn):
+    """Under `jax.jit` a length cannot be checked without a runtime error that could abort
+    a multi-device program, so it is clamped into `[0, seq]`, as `jax.nn` masks do."""
+    q, k, v = _qkv(10, 30)
+    jitted = jax.jit(lambda ql, kl: fn(q, k, v, causal=True, q_lengths=ql, kv_lengths=kl))
+    out, lse = jitted(jnp.array([12, -2, 4]), jnp.array([1, 40, -3]))
+    ref_out, ref_lse = fn(q, k, v, causal=True, q_lengths=jnp.array([10, 0, 4]),
+                          kv_lengths=jnp.array([1, 30, 0]))
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref_out))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(ref_lse))
+    assert eqx.is_array(jitted(jnp.array([10, 3, 4]), jnp.array([1, 30, 3]))[0])
 
 
 def test_length_limits_follow_lengths():
@@ -249,3 +264,36 @@ def test_decode_path_is_taken(monkeypatch):
     assert len(calls) == 3
     cfg = KernelConfig(seq_q=1, seq_k=64, block_q=1, block_k=64, window=Window(), scale=1.0)
     assert num_splits(cfg) == 1  # a single key block: nothing to split
+
+
+def _scalar_length_entry_points():
+    """Each entry point taking one scalar length per call, as `f(q_lengths, kv_lengths)`."""
+    q, k, v = (x[0, 0] for x in _qkv(12, 10))  # unbatched (seq, dim)
+    fa = eqx.nn.inference_mode(eqx_flash.FlashAttention(causal=True))
+    mha = eqx_flash.FlashMultiheadAttention(2, 8, key=jax.random.key(1))
+    x = jax.random.normal(jax.random.key(2), (12, 8))
+    return {
+        "flash_attention": lambda ql, kl: flash_attention(q, k, v, q_lengths=ql,
+                                                          kv_lengths=kl)[0],
+        "causal_flash_attention": lambda ql, kl: causal_flash_attention(
+            q, k, v, q_lengths=ql, kv_lengths=kl)[0],
+        "plain_attention": lambda ql, kl: plain_attention(q, k, v, q_lengths=ql,
+                                                          kv_lengths=kl)[0],
+        "FlashAttention": lambda ql, kl: fa(q[None], k[None], v[None], q_lengths=ql,
+                                            kv_lengths=kl),
+        "FlashMultiheadAttention": lambda ql, kl: mha(x, x[:10], x[:10], q_lengths=ql,
+                                                      kv_lengths=kl),
+    }
+
+
+@pytest.mark.parametrize("entry", list(_scalar_length_entry_points()))
+def test_scalar_lengths_accept_python_and_numpy_ints(entry):
+    """`q_lengths`/`kv_lengths` as integer scalars: a Python int, a NumPy int32 and a JAX
+    array give the same result."""
+    fn = _scalar_length_entry_points()[entry]
+    expected = fn(jnp.int32(7), jnp.int32(6))
+    for ql, kl in ((7, 6), (np.int32(7), np.int32(6)), (np.int64(7), 6)):
+        np.testing.assert_array_equal(np.asarray(fn(ql, kl)), np.asarray(expected))
+    assert not np.array_equal(np.asarray(fn(12, 10)), np.asarray(expected))
+    with pytest.raises(TypeError, match="kv_lengths must have an integer dtype"):
+        fn(7, 6.0)

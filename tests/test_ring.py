@@ -287,3 +287,54 @@ def test_score_terms_on_the_ring_errors():
     with pytest.raises((ValueError, TypeError), match="bias"):
         eqx_flash.sharded_flash_attention(q, k, v, mesh=mesh, seq_axis="seq",
                                           bias=jnp.zeros((3, 8, 8)))
+
+
+@pytest.mark.multidevice
+def test_traced_out_of_range_lengths_are_clamped_not_fatal():
+    """No value check of ours can kill a multi-device program: lengths out of range (or,
+    for causal `sharded_flash_attention`, with `kv_lengths - q_lengths != seq_k - seq_q`)
+    inside `jax.jit` are clamped, on a 4-device mesh (`sharded_flash_attention`) and with
+    the batch sharded over 4 devices (`flash_attention`); the process exits 0, quickly,
+    with the results of the in-range-equivalent calls. (An `eqx.error_if` there, followed
+    by collectives, hung and then aborted the process.)"""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+    ).strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "multidevice_checks.py"), "traced_lengths"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-6000:]}"
+    (line,) = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    result = json.loads(line)
+    assert result.pop("check") == "traced_lengths"
+    assert set(result) == {"sharded_mismatch", "sharded_past_seq",
+                           "flash_batch_sharded_past_seq", "flash_batch_sharded_negative"}
+    for name, record in result.items():
+        assert record["finite"], (name, record)
+        assert record["vs_equivalent"] == 0.0, (name, record)
+        assert record.get("vs_flash_attention", 0.0) < TOL, (name, record)
+
+
+def test_sharded_concrete_length_mismatch_raises():
+    """Concrete lengths that the causal ring cannot align still raise eagerly, naming them."""
+    mesh = Mesh(np.array(jax.devices()[:1]), ("seq",))
+    q, k, v = qkv(0, (2, 2, 16, 8), (2, 2, 16, 8))
+    with pytest.raises(ValueError, match=r"kv_lengths - q_lengths == seq_k - seq_q.*"
+                                         r"q_lengths=\[16, 5\], kv_lengths=\[16, 7\]"):
+        eqx_flash.sharded_flash_attention(q, k, v, mesh=mesh, seq_axis="seq", causal=True,
+                                          q_lengths=jnp.array([16, 5]),
+                                          kv_lengths=jnp.array([16, 7]))
+    with pytest.raises(ValueError, match=r"kv_lengths must lie in \[0, 16\]"):
+        eqx_flash.sharded_flash_attention(q, k, v, mesh=mesh, seq_axis="seq",
+                                          kv_lengths=np.array([16, 17]))
+    # under jit, on one device: the mismatch shrinks to the largest consistent lengths
+    jitted = jax.jit(lambda ql, kl: eqx_flash.sharded_flash_attention(
+        q, k, v, mesh=mesh, seq_axis="seq", causal=True, q_lengths=ql, kv_lengths=kl))
+    out, _ = jitted(jnp.array([16, 5]), jnp.array([16, 7]))
+    ref, _ = eqx_flash.flash_attention(q, k, v, causal=True, q_lengths=jnp.array([16, 5]),
+                                       kv_lengths=jnp.array([16, 5]))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=TOL, rtol=TOL)

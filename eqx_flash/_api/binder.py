@@ -11,9 +11,8 @@ they fill, each by the checker of its field's `kind` (`bind_array`).
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -215,8 +214,10 @@ def _key_lengths(name: str, x: ArrayLike, shapes: Shapes) -> Array:
 
 def _lengths(name: str, x: ArrayLike, shapes: Shapes, seq: int) -> Array:
     """`(*batch,)` (any leading axis 1 or missing) in the layout `(batch|1, 1, 1, 1, 1)`,
-    values in `[0, seq]`: a concrete value outside raises; a traced one is checked with
-    `eqx.error_if`."""
+    values in `[0, seq]`: a concrete value outside raises; a traced one is clamped into
+    `[0, seq]` (as `jax.nn` masks do with `arange(seq) < length`), since no value check
+    inside a jitted program may abort it: `eqx.error_if` there, followed by cross-device
+    collectives, hangs and then kills a multi-device program."""
     arr = _as_array(x)
     if not jnp.issubdtype(arr.dtype, jnp.integer):
         raise TypeError(f"{name} must have an integer dtype; got {name}.dtype={arr.dtype}")
@@ -231,7 +232,7 @@ def _lengths(name: str, x: ArrayLike, shapes: Shapes, seq: int) -> Array:
     arr = arr.astype(jnp.int32)
     message = f"{name} must lie in [0, {seq}] (the sequence length)"
     if not is_concrete(arr):
-        arr = cast(Array, eqx.error_if(arr, (arr < 0) | (arr > seq), message))
+        arr = jnp.clip(arr, 0, seq)
     else:
         concrete = np.asarray(arr)
         if np.any((concrete < 0) | (concrete > seq)):

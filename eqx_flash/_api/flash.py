@@ -15,6 +15,7 @@ import functools
 from typing import Any, cast
 
 import jax
+import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, PRNGKeyArray, jaxtyped
 
@@ -94,7 +95,14 @@ def prepare_kernels(bound: Bound) -> tuple[KernelConfig, Operands]:
 
 
 def attend(bound: Bound) -> tuple[Array, Array]:
-    """`(out, lse)` of a bound call, in the caller's layout."""
+    """`(out, lse)` of a bound call, in the caller's layout. A call with no query rows
+    at all (zero heads, or an empty batch) returns the empty `out` and `lse` without
+    reaching the kernels (`plain_attention` gives the same shapes)."""
+    if bound.q.size == 0:
+        shapes = bound.shapes
+        out = jnp.zeros((*shapes.lead_shape, shapes.seq_q, shapes.dim_v), bound.q.dtype)
+        lse = jnp.zeros((*shapes.lead_shape, shapes.seq_q), stat_dtype(bound.q.dtype))
+        return out, lse
     cfg, ops = prepare_kernels(bound)
     return _blockwise(bound.q, bound.k, bound.v, ops, cfg=cfg, shapes=bound.shapes)
 
@@ -169,7 +177,9 @@ def flash_attention(
         `q_lengths` get `out = 0`, `lse = -inf` and zero gradients; `causal` and `window`
         align bottom-right on the valid lengths (`p = i + kv_length - q_length`). Key blocks
         past the lengths are not computed. Padding (and keys the key `mask` hides from every
-        query head) may hold NaN or inf: it reaches no output and no gradient.
+        query head) may hold NaN or inf: it reaches no output and no gradient. Concrete
+        lengths outside `[0, seq]` raise; traced ones (under `jax.jit`) are clamped into
+        it, since a runtime check could abort a multi-device program.
     - `scale`: logit scale, default `1/sqrt(dim)`.
     - `softcap`: if given, logits become `softcap * tanh(logits / softcap)` after scaling.
     - `block_q`, `block_k`: block sizes; default to values tuned for CPU.
@@ -215,7 +225,9 @@ def flash_attention(
 
     `(out, lse)`: `out` `(*batch, heads, seq_q, dim_v)` in q's dtype and the log-sum-exp
     of the attended logits `(*batch, heads, seq_q)` in float32 (float64 for float64
-    inputs). A query with no key to attend gets `out = 0` and `lse = -inf`.
+    inputs). A query with no key to attend gets `out = 0` and `lse = -inf`. Zero heads
+    or an empty batch give the empty `out` and `lse` of those shapes; a zero-length
+    sequence (`seq_q = 0` or `seq_k = 0`) or head dim raises a `ValueError` naming it.
 
     **Raises:**
 

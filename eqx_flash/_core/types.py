@@ -24,7 +24,8 @@ from jaxtyping import Array, Bool, Float, Integer, Shaped
 
 # Public entry points accept NumPy arrays as well as JAX arrays (converted with
 # `jnp.asarray`); they are what users have at hand in notebooks and data loaders.
-# Python scalars and lists are not accepted: they carry no shape to check.
+# Python scalars and lists are not accepted: they carry no shape to check (except the
+# scalar lengths, `Lengths`).
 AnyArray: TypeAlias = Array | np.ndarray
 
 Query: TypeAlias = (
@@ -45,8 +46,10 @@ PairMask: TypeAlias = (
     Bool[AnyArray, "... #seq_q #seq_k"] | Integer[AnyArray, "... #seq_q #seq_k"]
 )
 # Valid lengths `(*batch,)`: any dtype here, so that `_api.binder` names the
-# argument in its message for a non-integer one.
-Lengths: TypeAlias = Shaped[AnyArray, "..."]
+# argument in its message for a non-integer one. A scalar length (one per call, as an
+# unbatched call or a module takes) may be a Python or NumPy number too: it has no
+# shape to check.
+Lengths: TypeAlias = Shaped[AnyArray, "..."] | int | float | np.number | np.bool_
 QuerySegmentIds: TypeAlias = Integer[AnyArray, "... seq_q"]
 # Score terms: a float bias broadcastable to `(*batch, heads, seq_q, seq_k)` and ALiBi
 # slopes `(*batch, heads)`; how their leading axes broadcast is checked in `_validation`.

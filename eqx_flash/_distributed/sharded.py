@@ -13,9 +13,9 @@ import functools
 from collections.abc import Hashable
 from typing import Any
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from beartype import beartype
 from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, jaxtyped
@@ -99,7 +99,12 @@ def sharded_flash_attention(
         reaches nothing); blocks past the lengths are still computed. With `causal` or a
         `window`, `kv_lengths - q_lengths` must equal `seq_k - seq_q` (as for padded
         self-attention with equal lengths), since the ring aligns them on the global
-        sequence: otherwise an error (`eqx.error_if` under `jax.jit`).
+        sequence: otherwise a `ValueError` for concrete lengths; under `jax.jit`, where no
+        value check may abort a multi-device program, the lengths are shrunk to the
+        largest pair with that difference (`q_lengths = min(q_lengths, kv_lengths -
+        (seq_k - seq_q))`, `kv_lengths = min(kv_lengths, q_lengths + (seq_k - seq_q))`),
+        giving `flash_attention`'s result for those lengths. Lengths outside `[0, seq]`
+        are clamped under `jax.jit` as in `flash_attention`.
     - `sinks`: as in `flash_attention`, counted once per row; differentiable.
     - `bias`, `alibi_slopes`: as in `flash_attention` (global arrays; ALiBi at global
         positions), both differentiable. The bias is reordered with the sequence and
@@ -177,11 +182,19 @@ def _lengths_as_segment_ids(shapes: Shapes, options: AttentionOptions, q, k, v,
             f"sharded_flash_attention with causal/window needs kv_lengths - q_lengths == "
             f"seq_k - seq_q = {offset} (the ring aligns the diagonal on the global sequence)"
         )
-        bad = jnp.any(jnp.asarray(kv_len) - jnp.asarray(q_len) != offset)
-        if not is_concrete(bad):
-            q = eqx.error_if(q, bad, message)
-        elif bool(bad):
-            raise ValueError(message)
+        q_len, kv_len = jnp.asarray(q_len), jnp.asarray(kv_len)
+        bad = jnp.any(kv_len - q_len != offset)
+        if is_concrete(bad) and bool(bad):
+            raise ValueError(f"{message}; got q_lengths={np.asarray(q_len).ravel().tolist()}"
+                             f", kv_lengths={np.asarray(kv_len).ravel().tolist()}")
+        # Traced (no value check may abort a multi-device program): the valid region
+        # shrinks to the largest lengths with that difference, the result that of
+        # `flash_attention` with them. A no-op for lengths that satisfy it.
+        q_len, kv_len = (
+            jnp.clip(jnp.minimum(q_len, kv_len - offset), 0, shapes.seq_q).reshape(-1, 1, 1, 1, 1),
+            jnp.minimum(kv_len, q_len + offset).reshape(-1, 1, 1, 1, 1),
+        )
+        ops = replace(ops, q_lengths=q_len, kv_lengths=kv_len)
     q, k, v = valid_rows(q, k, v, ops, shapes.seq_q, shapes.seq_k)
     q_valid = jnp.arange(shapes.seq_q).reshape(1, 1, 1, -1, 1) < q_len
     k_valid = jnp.arange(shapes.seq_k).reshape(1, 1, 1, 1, -1) < kv_len

@@ -71,6 +71,9 @@ def make_block_mask(
     - `batch_shape`: q's leading axes before the heads axis, e.g. `(batch,)`; `()` (or
         `1`) for a mask that does not depend on `batch` (shared by every batch element).
     - `heads`: q's number of heads; 1 for a mask that does not depend on `head`.
+        A call whose `mask_mod` reads `batch` (`head`) with a block mask built shared over
+        it, for more than one batch element (head), raises a `ValueError` naming
+        `block_mask`.
     - `seq_q`, `seq_k`: the sequence lengths of the calls it will be used with.
     - `block_q`, `block_k`: the calls' block sizes. `None` means the kernels' default for
         a call with neither `causal` nor `window` (`kv_heads`, if given, tells it the
@@ -88,6 +91,9 @@ def make_block_mask(
     if not all(isinstance(n, int) and n > 0 for n in batch_shape):
         raise ValueError(f"batch_shape must be a tuple of positive ints; got {batch_shape!r}")
     batch_shape = tuple(int(n) for n in batch_shape)
+    for name, n in (("heads", heads), ("seq_q", seq_q), ("seq_k", seq_k)):
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+            raise ValueError(f"{name} must be a positive int; got {name}={n!r}")
     groups = 1 if kv_heads is None else max(heads // kv_heads, 1)
     options = make_options(block_q=block_q, block_k=block_k)
     tuned_q, tuned_k = default_blocks(Window(), groups)
@@ -136,7 +142,8 @@ def block_flags_for(
     """`block_mask`'s flags for a call of `shapes` blocked `(block_q, block_k)`, in the
     internal layout `(batch|1, kv_heads|1, 1, num_q, num_k)`: a kv head's block is empty
     (full) when it is for every query head grouped on it. Raises naming `block_mask`
-    (also when the call has no `mask_mod` for it to summarise)."""
+    (also when the call has no `mask_mod` for it to summarise, or when it was built
+    shared over the batch or the heads while the `mask_mod` reads them)."""
     if mask_mod is None:
         raise ValueError(
             "block_mask summarises a mask_mod: pass the mask_mod it was built from as "
@@ -164,21 +171,43 @@ def block_flags_for(
             f"heads={block_mask.heads}, but this call has batch_shape={shapes.batch_shape}, "
             f"heads={shapes.heads} (a shared mask may use batch_shape=() and heads=1)"
         )
-    return _internal(block_mask.flags, math.prod(block_mask.batch_shape), block_mask.heads,
-                     shapes)
+    reads_batch, reads_head = _dependence(mask_mod, shapes, block_q, block_k)
+    built_batch = math.prod(block_mask.batch_shape)
+    shared = [name for name, reads, built_n, call_n in (
+        ("batch", reads_batch, built_batch, math.prod(shapes.batch_shape)),
+        ("head", reads_head, block_mask.heads, shapes.heads),
+    ) if reads and built_n == 1 and call_n != 1]
+    if shared:
+        raise ValueError(
+            f"block_mask was built shared over {' and '.join(shared)} (batch_shape="
+            f"{block_mask.batch_shape}, heads={block_mask.heads}), but the mask_mod reads "
+            f"its {' and '.join(shared)} argument, so the summary would be wrong for this "
+            f"call's batch_shape={shapes.batch_shape}, heads={shapes.heads}: build it with "
+            f"make_block_mask(mask_mod, {shapes.batch_shape}, {shapes.heads}, ...)"
+        )
+    return _internal(block_mask.flags, built_batch, block_mask.heads, shapes)
 
 
-def derived_flags(mask_mod: Any, shapes: Shapes, block_q: int, block_k: int) -> Array:
-    """`block_flags_for` a call given a `mask_mod` but no `block_mask`: the summary
-    `make_block_mask` would build, evaluated block by block (O(number of blocks) memory),
-    over the batch and head axes only where the `mask_mod` depends on them."""
+def _dependence(mask_mod: Any, shapes: Shapes, block_q: int, block_k: int
+                ) -> tuple[bool, bool]:
+    """Whether `mask_mod` depends on its `batch` and its `head` argument, read from the
+    shape of its result on abstract index arrays (`jax.eval_shape`: nothing is computed)."""
     batch, heads = math.prod(shapes.batch_shape), shapes.heads
     b = jax.ShapeDtypeStruct((batch, 1, 1, 1), jnp.int32)
     h = jax.ShapeDtypeStruct((1, heads, 1, 1), jnp.int32)
     i = jax.ShapeDtypeStruct((1, 1, block_q, 1), jnp.int32)
     j = jax.ShapeDtypeStruct((1, 1, 1, block_k), jnp.int32)
     shape = (1, 1, 1, 1, *jax.eval_shape(mask_mod, b, h, i, j).shape)[-4:]
-    batch, heads = (batch if shape[0] != 1 else 1), (heads if shape[1] != 1 else 1)
+    return shape[0] != 1, shape[1] != 1
+
+
+def derived_flags(mask_mod: Any, shapes: Shapes, block_q: int, block_k: int) -> Array:
+    """`block_flags_for` a call given a `mask_mod` but no `block_mask`: the summary
+    `make_block_mask` would build, evaluated block by block (O(number of blocks) memory),
+    over the batch and head axes only where the `mask_mod` depends on them."""
+    reads_batch, reads_head = _dependence(mask_mod, shapes, block_q, block_k)
+    batch = math.prod(shapes.batch_shape) if reads_batch else 1
+    heads = shapes.heads if reads_head else 1
     flags = _flags(mask_mod, batch, heads, shapes.seq_q, shapes.seq_k, block_q, block_k)
     return _internal(flags, batch, heads, shapes)
 

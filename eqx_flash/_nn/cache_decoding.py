@@ -29,6 +29,10 @@ def decode_with_cache(layer: Any, x: Array, cache: KVCache, process_heads: Any
     if x.shape[-1] != layer.query_size:
         raise ValueError(f"x must have shape (n, {layer.query_size}); got x.shape={x.shape}")
     n = x.shape[0]
+    if cache.window is not None:
+        _check_rolling(layer, cache)
+    if n == 0:  # no new tokens: empty out, the cache unchanged
+        return jnp.zeros((0, layer.output_size), x.dtype), cache
     with jax.named_scope("eqx_flash.FlashMultiheadAttention.decode"):
         q = project(layer.query_proj, x, layer.num_heads)
         k = project(layer.key_proj, x, layer.num_kv_heads)
@@ -37,6 +41,12 @@ def decode_with_cache(layer: Any, x: Array, cache: KVCache, process_heads: Any
         if process_heads is not None:
             q, k, v = process(process_heads, q, k, v, positions)
         q, k, v = (jnp.swapaxes(x_, 0, 1) for x_ in (q, k, v))
+        # Attention runs in the cache's dtype: the new k, v are written in it and q is
+        # cast to it (a few rows), rather than the whole cache cast up to q's dtype each
+        # step; the kernels accumulate in float32 either way. Out returns in q's dtype.
+        out_dtype = q.dtype
+        q = q.astype(cache.k.dtype)
+        k, v = k.astype(cache.k.dtype), v.astype(cache.v.dtype)
         blocks: dict[str, Any] = dict(block_q=layer.block_q, block_k=layer.block_k,
                                       softcap=layer.softcap, sinks=layer.sinks)
         if cache.window is None:
@@ -47,26 +57,39 @@ def decode_with_cache(layer: Any, x: Array, cache: KVCache, process_heads: Any
                                        causal=layer.causal, window=layer.window, **blocks,
                                        **mods)
         else:
-            window = make_options(**static_options(layer)).window
-            if window.right != 0 or window.left is None or window.left >= cache.size:
-                raise ValueError(
-                    f"a rolling cache of {cache.size} entries needs a causal layer whose "
-                    f"window reaches back at most {cache.size - 1} tokens; got "
-                    f"causal={layer.causal}, window={layer.window!r}"
-                )
+            window = _check_rolling(layer, cache)
             # Attend to the buffer and the new tokens by absolute position, then write.
             key_pos = jnp.concatenate([cache.positions(), positions])
             rel = positions[:, None] - key_pos[None, :]
-            allowed = (key_pos[None, :] >= 0) & (rel >= 0) & (rel <= window.left)
+            written = key_pos >= 0
+            allowed = written[None, :] & (rel >= 0) & (rel <= window.left)
+            # A slot never written holds whatever the buffer was made with (NaN from a
+            # donated or uninitialised buffer): masking it is not enough (0 * NaN in
+            # p @ v), so its keys and values are zeroed; fused into the concatenation.
+            def attended(buffer: Array, new: Array) -> Array:
+                both = jnp.concatenate([buffer, new], axis=1)
+                return jnp.where(written[None, :, None], both, jnp.zeros((), both.dtype))
+
             heads, _ = flash_attention(
-                q, jnp.concatenate([cache.k, k.astype(cache.k.dtype)], axis=1),
-                jnp.concatenate([cache.v, v.astype(cache.v.dtype)], axis=1),
+                q, attended(cache.k, k), attended(cache.v, v),
                 attn_mask=allowed, **blocks,
                 **_mods_at(layer, positions[0], jnp.maximum(key_pos, 0)),
             )
             cache = cache.append(k, v)
-        attn = jnp.swapaxes(heads, 0, 1).reshape(n, -1)
+        attn = jnp.swapaxes(heads, 0, 1).reshape(n, -1).astype(out_dtype)
         return jax.vmap(layer.output_proj)(attn), cache
+
+
+def _check_rolling(layer: Any, cache: KVCache) -> Any:
+    """The layer's window, which a rolling `cache` must cover."""
+    window = make_options(**static_options(layer)).window
+    if window.right != 0 or window.left is None or window.left >= cache.size:
+        raise ValueError(
+            f"a rolling cache of {cache.size} entries needs a causal layer whose "
+            f"window reaches back at most {cache.size - 1} tokens; got "
+            f"causal={layer.causal}, window={layer.window!r}"
+        )
+    return window
 
 
 def _mods_at(layer: Any, q_offset: Array, kv_positions: Array | None) -> dict[str, Any]:

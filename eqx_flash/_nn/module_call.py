@@ -122,7 +122,9 @@ def attend_heads(
 
 def project(proj: eqx.nn.Linear, x: Array, heads: int) -> Array:
     """`(seq, channels)` → `(seq, heads, channels // heads)`."""
-    return jax.vmap(proj)(x).reshape(x.shape[0], heads, -1)
+    # The head size spelt out: a -1 cannot be resolved for zero tokens.
+    out = jax.vmap(proj)(x)
+    return out.reshape(x.shape[0], heads, out.shape[-1] // heads)
 
 
 def process(process_heads: Callable[..., Any], q: Array, k: Array, v: Array, *extra: Any

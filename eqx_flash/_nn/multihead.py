@@ -337,7 +337,10 @@ class FlashMultiheadAttention(eqx.Module):
         - `max_len`: tokens the cache can hold (linear mode).
         - `window`: a rolling buffer of this many entries instead (for a causal model
             with `window=(window - 1, 0)` or narrower).
-        - `dtype`: of the buffers (default: the key projection's dtype).
+        - `dtype`: of the buffers (default: the key projection's dtype). A lower
+            precision (`jnp.bfloat16`) halves the cache's memory: `decode` writes the new
+            keys and values in it and casts the queries to it for the attention call
+            (which accumulates in float32), returning the output in the layer's dtype.
 
         **Returns:**
 
