@@ -11,6 +11,7 @@ tests/multidevice_checks.py [check ...]`.
 import json
 import sys
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -364,6 +365,37 @@ def check_traced_lengths():
             "finite": bool(np.all(np.isfinite(np.asarray(got[0])))),
         }
     return result
+
+
+def check_cache_overflow():
+    """A linear `KVCache` run past `max_len` inside `jax.jit` with the batch sharded over 4
+    devices, followed by a cross-device reduction: no runtime error (which would hang the
+    collective, then abort), NaN outputs for the elements that overflowed, the rest equal
+    to the same decode on one device with room to spare."""
+    mha = eqx_flash.FlashMultiheadAttention(2, 16, causal=True, key=jax.random.key(0))
+    data = Mesh(np.array(jax.devices()[:4]), ("data",))
+    shard = NamedSharding(data, P("data"))
+    x = jax.random.normal(jax.random.key(1), (4, 3, 16))
+    start = jnp.array([0, 1, 3, 2], jnp.int32)  # with 3 new tokens: 3, 4, 6, 5 of max_len 5
+
+    def caches(max_len):
+        empty = jax.vmap(lambda _: mha.init_cache(max_len))(start)
+        return eqx.tree_at(lambda c: c.length, empty, start)
+
+    @eqx.filter_jit
+    def decode(x, cache):
+        out, cache = jax.vmap(mha.decode)(x, cache)
+        return out, cache.length, jnp.sum(jnp.where(jnp.isnan(out), 0.0, out))
+
+    placed = jax.tree.map(lambda a: jax.device_put(a, shard), (x, caches(5)))
+    out, length, _ = jax.block_until_ready(decode(*placed))
+    roomy, _, _ = decode(x, caches(8))
+    out, roomy = np.asarray(out), np.asarray(roomy)
+    return {
+        "lengths": np.asarray(length).tolist(),
+        "nan_elements": [bool(np.all(np.isnan(o))) for o in out],
+        "fitting_vs_roomy": float(np.max(np.abs(out[[0, 1, 3]] - roomy[[0, 1, 3]]))),
+    }
 
 
 def _max_diff(got, expected) -> float:

@@ -105,6 +105,8 @@ def test_cache_append_and_positions():
     np.testing.assert_array_equal(np.asarray(rolling.k[:, 0]), np.asarray(k[:, 3]))
     with pytest.raises(Exception, match="cache is full"):
         jax.block_until_ready(jax.jit(lambda c: c.append(k, v))(cache).length)
+    with pytest.raises(ValueError, match=r"cache is full.*length=4, n=4, max_len=6"):
+        cache.append(k, v)  # a concrete length: raised eagerly, with the numbers
     with pytest.raises(ValueError, match="k_new, v_new must have shapes"):
         cache.append(k[:1], v[:1])
     with pytest.raises(ValueError, match="max_len must be a positive int"):

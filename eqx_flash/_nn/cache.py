@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from .._api.binder import is_concrete
+
 
 @typing.final
 class KVCache(eqx.Module):
@@ -86,7 +88,11 @@ class KVCache(eqx.Module):
 
         **Returns:**
 
-        The new `KVCache`; linear mode raises (`eqx.error_if`) past `max_len`.
+        The new `KVCache`. Past `max_len`, linear mode raises: a `ValueError` for a
+        concrete length, `eqx.error_if` under `jax.jit` on one device. With several
+        devices a runtime error could abort the program, so instead the tokens that do
+        not fit are dropped and `length` passes `max_len`: every later `decode` output
+        is NaN.
         """
         if k_new.shape[0] != self.k.shape[0] or k_new.shape[2:] != self.k.shape[2:] or (
             v_new.shape != (*k_new.shape[:2], self.v.shape[2])
@@ -99,8 +105,24 @@ class KVCache(eqx.Module):
         n = k_new.shape[1]
         k_new, v_new = k_new.astype(self.k.dtype), v_new.astype(self.v.dtype)
         if self.window is None:
-            length = eqx.error_if(self.length, self.length + n > self.size,
-                                  "KVCache.append: the cache is full (length + n > max_len)")
+            full = self.length + n > self.size
+            message = "KVCache.append: the cache is full (length + n > max_len)"
+            if is_concrete(full):
+                if bool(full):
+                    raise ValueError(f"{message}; got length={int(self.length)}, n={n}, "
+                                     f"max_len={self.size}")
+                length = self.length
+            elif jax.device_count() == 1:
+                length = eqx.error_if(self.length, full, message)
+            else:
+                # On several devices a runtime error here hangs the next collective and
+                # then aborts the program, so none is raised: what does not fit is
+                # dropped and `length` counts on past `max_len`, which `decode` answers
+                # with NaN (as `eqx.error_if` does with EQX_ON_ERROR=nan).
+                slots = self.length + jnp.arange(n, dtype=jnp.int32)
+                k = self.k.at[:, slots].set(k_new, mode="drop", unique_indices=True)
+                v = self.v.at[:, slots].set(v_new, mode="drop", unique_indices=True)
+                return KVCache(k, v, self.length + n, None)
             k = jax.lax.dynamic_update_slice_in_dim(self.k, k_new, length, axis=1)
             v = jax.lax.dynamic_update_slice_in_dim(self.v, v_new, length, axis=1)
             return KVCache(k, v, length + n, None)

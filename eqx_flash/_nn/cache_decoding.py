@@ -56,6 +56,8 @@ def decode_with_cache(layer: Any, x: Array, cache: KVCache, process_heads: Any
             heads, _ = flash_attention(q, cache.k, cache.v, kv_lengths=cache.length,
                                        causal=layer.causal, window=layer.window, **blocks,
                                        **mods)
+            # A cache run past `max_len` on several devices (see `KVCache.append`).
+            heads = jnp.where(cache.length > cache.size, jnp.nan, heads)
         else:
             window = _check_rolling(layer, cache)
             # Attend to the buffer and the new tokens by absolute position, then write.
