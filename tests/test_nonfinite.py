@@ -178,3 +178,33 @@ def test_ring_on_one_device_and_the_module():
     module = eqx_flash.FlashAttention(causal=True)
     for out in (ring(q, k, v)[0], module(q[0], k[0], v[0])[None]):
         np.testing.assert_array_equal(np.isnan(np.asarray(out)).any(-1), expected)
+
+
+@settings(max_examples=20, deadline=None)
+@given(attention_inputs(dtypes=[jnp.float32], max_seq=64, lengths=True),
+       st.sampled_from([np.nan, np.inf, -np.inf]))
+def test_property_padding_reaches_nothing(inputs, value):
+    """NaN or an infinity in every position past the drawn lengths, in q, k and v alike,
+    changes no output, no lse and no gradient (over the strategy's masks, causal
+    settings, score terms and block sizes)."""
+    kw = inputs.kwargs
+    q_len = kw.get("q_lengths", inputs.q.shape[-2])
+    kv_len = kw.get("kv_lengths", inputs.k.shape[-2])
+
+    def poison(x, length):  # NumPy: it broadcasts the ranks freely
+        pad = np.arange(x.shape[-2])[:, None] >= np.asarray(length)[..., None, None, None]
+        return jnp.asarray(np.where(pad, np.asarray(value, x.dtype), np.asarray(x)))
+
+    poisoned = (poison(inputs.q, q_len), poison(inputs.k, kv_len), poison(inputs.v, kv_len))
+
+    def loss(q, k, v):
+        out, lse = flash_attention(q, k, v, **kw)
+        return jnp.sum(out * out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0)), (out, lse)
+
+    grad = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)
+    (clean_grads, clean), (dirty_grads, dirty) = grad(inputs.q, inputs.k, inputs.v), grad(*poisoned)
+    for c, d in zip(jax.tree.leaves((clean, clean_grads)), jax.tree.leaves((dirty, dirty_grads)),
+                    strict=True):
+        c, d = np.asarray(c), np.asarray(d)
+        np.testing.assert_array_equal(np.isnan(d), np.isnan(c))
+        np.testing.assert_array_equal(d, c)
