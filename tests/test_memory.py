@@ -100,3 +100,18 @@ def test_forward_mode_with_alibi_is_linear_in_memory():
 
     jvp_bytes = _compiled_temp(jvp, x, x, x, slopes, x, slopes)
     assert jvp_bytes < SCORES / 8, f"jvp: {jvp_bytes / 2**20:.0f} MiB of temporaries"
+
+
+def test_sinks_and_max_scores_stay_linear_in_memory():
+    """A causal fwd+bwd with learnable sinks (their gradient included) that also returns
+    the max scores (#23): still far below one seq x seq float32 matrix."""
+    def loss(q, k, v, sinks):
+        out, lse, top = flash_attention(q, k, v, causal=True, sinks=sinks,
+                                        return_max_scores=True)
+        return out.sum() + lse.sum(), top
+
+    x = jax.ShapeDtypeStruct((1, 1, SEQ, DIM), jnp.float32)
+    sinks = jax.ShapeDtypeStruct((1,), jnp.float32)
+    grad = jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)
+    temp = _compiled_temp(grad, x, x, x, sinks)
+    assert temp < SCORES / 8, f"{temp / 2**20:.0f} MiB of temporaries"

@@ -336,3 +336,15 @@ def test_cache_overflow_on_many_devices_is_nan_not_fatal():
     assert result["lengths"] == [3, 4, 6, 5]
     assert result["nan_elements"] == [False, False, True, False]
     assert result["fitting_vs_roomy"] < TOL
+
+
+@pytest.mark.multidevice
+def test_max_scores_on_the_ring():
+    """`return_max_scores=True` on 4 devices, every layout, lengths, and the ring in a
+    shard_map: equal to single-device `flash_attention` (-inf rows in the same places)."""
+    result = multidevice("max_scores")
+    assert result.pop("rows_without_keys") > 0
+    assert set(result) == {"sharded_contiguous", "sharded_zigzag", "sharded_striped",
+                           "sharded_lengths", "ring_check_vma_False", "ring_check_vma_True"}
+    for name, diff in result.items():
+        assert diff < TOL, (name, result)

@@ -41,6 +41,7 @@ class Bound:
     score_mod: Any = None
     mask_mod: Any = None
     block_mask: Any = None
+    return_max_scores: bool = False
 
 
 def bind(
@@ -69,6 +70,7 @@ def bind(
     score_mod: Any = None,
     mask_mod: Any = None,
     block_mask: Any = None,
+    return_max_scores: Any = False,
     key_columns: Callable[[], int] | None = None,
 ) -> Bound:
     """Check every argument of `entry` (the public function's name, for messages) and
@@ -105,8 +107,11 @@ def bind(
         if mod is not None and not callable(mod):
             raise TypeError(f"{name} must be callable; got {name} of type "
                             f"{type(mod).__name__}")
+    if not isinstance(return_max_scores, bool | np.bool_):
+        raise TypeError(f"return_max_scores must be a bool; got "
+                        f"return_max_scores={return_max_scores!r}")
     return Bound(options, shapes, q, k, v, Operands(**fields), score_mod, mask_mod,
-                 block_mask)
+                 block_mask, bool(return_max_scores))
 
 
 def _check_pairs(given: dict[str, Any], pair: tuple[str, str]) -> None:

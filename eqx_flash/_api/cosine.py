@@ -9,7 +9,7 @@ from jaxtyping import Array, jaxtyped
 
 from .._api.flash import flash_attention
 from .._core.config import stat_dtype
-from .._core.types import LSE, Key, KeyMask, OptionalReal, Output, Query, Value
+from .._core.types import Attended, Key, KeyMask, OptionalReal, Query, Value
 
 # The seed's fixed logit scale for unit-norm queries and keys.
 COSINE_SIM_SCALE = 10.0
@@ -39,7 +39,7 @@ def cosine_sim_flash_attention(
     *,
     scale: OptionalReal = COSINE_SIM_SCALE,
     **kwargs: Any,
-) -> tuple[Output, LSE]:
+) -> Attended:
     """`flash_attention` on l2-normalised q and k with a fixed logit `scale`.
 
     - `scale`: the logit scale applied to the cosine similarities, default 10 (the seed's;
@@ -48,7 +48,8 @@ def cosine_sim_flash_attention(
       `flash_attention`: its default, `1/sqrt(dim)`.
 
     An all-zero query or key vector (zero padding included) normalises to zero, with zero
-    gradient. Takes every keyword of `flash_attention`; returns `(out, lse)`.
+    gradient. Takes every keyword of `flash_attention`; returns `(out, lse)` (and the max
+    scores with `return_max_scores=True`).
     """
     q, k = jnp.asarray(q), jnp.asarray(k)
     return flash_attention(_l2norm(q), _l2norm(k), v, mask, scale=scale, **kwargs)

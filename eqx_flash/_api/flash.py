@@ -32,8 +32,8 @@ from .._core.operands import (
 )
 from .._core.shapes import Shapes, merge_heads, split_heads
 from .._core.types import (
-    LSE,
     AlibiSlopes,
+    Attended,
     Bias,
     BlockSize,
     Flag,
@@ -43,7 +43,6 @@ from .._core.types import (
     Lengths,
     MaskMod,
     OptionalReal,
-    Output,
     PairMask,
     Query,
     QuerySegmentIds,
@@ -94,21 +93,24 @@ def prepare_kernels(bound: Bound) -> tuple[KernelConfig, Operands]:
     return cfg, ops
 
 
-def attend(bound: Bound) -> tuple[Array, Array]:
-    """`(out, lse)` of a bound call, in the caller's layout. A call with no query rows
-    at all (zero heads, or an empty batch) returns the empty `out` and `lse` without
-    reaching the kernels (`plain_attention` gives the same shapes)."""
+def attend(bound: Bound) -> tuple[Array, ...]:
+    """`(out, lse)` of a bound call, in the caller's layout, and the max scores after
+    them if the call asked (`return_max_scores`). A call with no query rows at all (zero
+    heads, or an empty batch) returns the empty results without reaching the kernels
+    (`plain_attention` gives the same shapes)."""
     if bound.q.size == 0:
         shapes = bound.shapes
         out = jnp.zeros((*shapes.lead_shape, shapes.seq_q, shapes.dim_v), bound.q.dtype)
         lse = jnp.zeros((*shapes.lead_shape, shapes.seq_q), stat_dtype(bound.q.dtype))
-        return out, lse
+        return (out, lse, lse) if bound.return_max_scores else (out, lse)
     cfg, ops = prepare_kernels(bound)
-    return _blockwise(bound.q, bound.k, bound.v, ops, cfg=cfg, shapes=bound.shapes)
+    return _blockwise(bound.q, bound.k, bound.v, ops, cfg=cfg, shapes=bound.shapes,
+                      max_scores=bound.return_max_scores)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "shapes"))
-def _blockwise(q, k, v, ops: Operands, *, cfg: KernelConfig, shapes: Shapes):
+@functools.partial(jax.jit, static_argnames=("cfg", "shapes", "max_scores"))
+def _blockwise(q, k, v, ops: Operands, *, cfg: KernelConfig, shapes: Shapes,
+               max_scores: bool = False):
     dtype = q.dtype
     q, k, v = split_heads(q, k, v, shapes)
     if split_k_applies(cfg, ops):  # only the (few) queries need cleaning
@@ -123,10 +125,15 @@ def _blockwise(q, k, v, ops: Operands, *, cfg: KernelConfig, shapes: Shapes):
     # `functools.partial(jax.custom_jvp, ...)` hides the return type from type checkers.
     sinks, ops = ops.sinks, replace(ops, sinks=None)
     result = _attention(cfg, q, k, v, differentiable_part(ops), constant_part(ops))
-    out, lse = cast(tuple[Array, Array], result)
+    out, lse, max_score = cast(tuple[Array, Array, Array], result)
     out, lse = with_sink(out[..., : cfg.seq_q, :], lse[..., : cfg.seq_q],
                          None if sinks is None else sinks[..., 0])
-    return merge_heads(out.astype(dtype), lse, shapes)
+    out, lse = merge_heads(out.astype(dtype), lse, shapes)
+    if not max_scores:
+        return out, lse
+    # No gradient flows through the max scores (as FlexAttention's).
+    max_score = jax.lax.stop_gradient(max_score[..., : cfg.seq_q])
+    return out, lse, max_score.reshape(lse.shape)
 
 
 @jaxtyped(typechecker=beartype)
@@ -155,7 +162,8 @@ def flash_attention(
     score_mod: ScoreMod | None = None,
     mask_mod: MaskMod | None = None,
     block_mask: BlockMask | None = None,
-) -> tuple[Output, LSE]:
+    return_max_scores: Flag = False,
+) -> Attended:
     """Exact attention in blocks, with memory linear in the sequence length.
 
     **Arguments:**
@@ -215,6 +223,12 @@ def flash_attention(
     - `block_mask`: `eqx_flash.make_block_mask(mask_mod, ...)` for this call's sizes and
         block sizes (else `ValueError`), given with the same `mask_mod`: that summary,
         built once and reused across calls.
+    - `return_max_scores`: if `True`, also return the largest final score of each row
+        over the keys it attends (after scale, bias, ALiBi, `score_mod`, softcap and
+        masks; sinks excluded), for QK-clip/MuonClip: `(*batch, heads, seq_q)` in the
+        lse's dtype, -inf for a row with nothing to attend. No gradient flows through it
+        (as FlexAttention's `AuxRequest(max_scores=True)`); it comes from the forward
+        kernel's running max, so it costs nothing extra.
 
     Order of operations: `s = scale * q.k + bias + alibi`, then `score_mod`, then
     `softcap`, then every mask (`mask`, `attn_mask`, `mask_mod`, causal, window, segment
@@ -223,7 +237,8 @@ def flash_attention(
 
     **Returns:**
 
-    `(out, lse)`: `out` `(*batch, heads, seq_q, dim_v)` in q's dtype and the log-sum-exp
+    `(out, lse)`, or `(out, lse, max_scores)` with `return_max_scores`: `out`
+    `(*batch, heads, seq_q, dim_v)` in q's dtype and the log-sum-exp
     of the attended logits `(*batch, heads, seq_q)` in float32 (float64 for float64
     inputs). A query with no key to attend gets `out = 0` and `lse = -inf`. Zero heads
     or an empty batch give the empty `out` and `lse` of those shapes; a zero-length
@@ -247,7 +262,7 @@ def flash_attention(
 @jaxtyped(typechecker=beartype)
 def causal_flash_attention(
     q: Query, k: Key, v: Value, mask: KeyMask | None = None, **kwargs: Any
-) -> tuple[Output, LSE]:
+) -> Attended:
     """`flash_attention(q, k, v, mask, causal=True, **kwargs)`."""
     if "causal" in kwargs:
         raise TypeError(

@@ -12,8 +12,8 @@ from jaxtyping import PRNGKeyArray, jaxtyped
 from .._core.config import stat_dtype
 from .._core.shapes import merge_heads, split_heads
 from .._core.types import (
-    LSE,
     AlibiSlopes,
+    Attended,
     Bias,
     Flag,
     Key,
@@ -22,7 +22,6 @@ from .._core.types import (
     Lengths,
     MaskMod,
     OptionalReal,
-    Output,
     PairMask,
     Query,
     QuerySegmentIds,
@@ -43,7 +42,7 @@ from .._semantics.masking import (
     valid_rows,
 )
 from .._semantics.score_terms import additive
-from .._semantics.softmax import finish, poison, with_sink
+from .._semantics.softmax import finish, max_score, poison, with_sink
 from .binder import bind
 
 
@@ -71,9 +70,11 @@ def plain_attention(
     score_mod: ScoreMod | None = None,
     mask_mod: MaskMod | None = None,
     block_mask: BlockMask | None = None,
-) -> tuple[Output, LSE]:
+    return_max_scores: Flag = False,
+) -> Attended:
     """Reference attention with exactly the semantics of `flash_attention` (which see,
-    also for `bias`, `alibi_slopes`, `sinks`, `score_mod`, `mask_mod` and `block_mask`),
+    also for `bias`, `alibi_slopes`, `sinks`, `score_mod`, `mask_mod`, `block_mask` and
+    `return_max_scores`),
     computed by materialising every logit, in float32 (float64 for float64 inputs).
 
     `score_mod` and `mask_mod` are called once, on the whole grid: the scores are
@@ -144,6 +145,13 @@ def plain_attention(
     acc = jnp.einsum("bhgqk,bhgkd->bhgqd", weights_v, jnp.where(finite_v, v5, 0.0))
     reaches = jnp.any(allowed & ~jnp.all(finite_v, axis=-1)[..., None, :], axis=-1)
     acc = poison(acc, reaches)
-    out, lse = finish(acc, row_max[..., 0], unnormalised.sum(axis=-1))
+    row_sum = unnormalised.sum(axis=-1)
+    out, lse = finish(acc, row_max[..., 0], row_sum)
     out, lse = with_sink(out, lse, None if ops.sinks is None else ops.sinks[..., 0])
-    return merge_heads(out.astype(q.dtype), lse, shapes)
+    out, lse = merge_heads(out.astype(q.dtype), lse, shapes)
+    if not bound.return_max_scores:
+        return out, lse
+    # The max over the unclamped attended logits (a row of -inf scores keeps -inf).
+    top = jnp.max(jnp.where(allowed, logits, -jnp.inf), axis=-1)
+    top = jax.lax.stop_gradient(max_score(top, row_sum))
+    return out, lse, top.reshape(lse.shape)

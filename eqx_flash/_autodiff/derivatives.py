@@ -50,7 +50,7 @@ def _clean_tangents(tangents, primals, ops: Operands) -> tuple[Any, ...]:
 
 
 def with_custom_derivatives(attention: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap `attention(cfg, q, k, v, ops) -> (out, lse)` (the forward kernel on padded
+    """Wrap `attention(cfg, q, k, v, ops) -> (out, lse, max_score)` (the forward kernel on padded
     internal-layout arrays) as `wrapped(cfg, q, k, v, diff, const)`, the operands split
     into their differentiable and constant parts, with the derivative rules above."""
 
@@ -67,18 +67,20 @@ def with_custom_derivatives(attention: Callable[..., Any]) -> Callable[..., Any]
             ops = combine(diff, const)
             q, k, v = valid_rows(q, k, v, ops, q.shape[3], k.shape[2])  # padded sizes
             tangents = (*_clean_tangents(tangents[:3], (q, k, v), ops), *tangents[3:])
-        out, lse = wrapped(cfg, q, k, v, diff, const)
+        out, lse, max_score = wrapped(cfg, q, k, v, diff, const)
+        # The max scores carry no derivative (as FlexAttention's): a zero tangent.
+        d_max = jnp.zeros_like(max_score)
         leaves = jax.tree.leaves(tangents[:4], is_leaf=_is_symbolic_zero)
         which = tuple(not _is_symbolic_zero(t) for t in leaves)
         nonzero = tuple(t for t, w in zip(leaves, which, strict=True) if w)
         if not nonzero:  # only constants were perturbed: they get no derivative
-            return (out, lse), (jnp.zeros_like(out), jnp.zeros_like(lse))
+            return (out, lse, max_score), (jnp.zeros_like(out), jnp.zeros_like(lse), d_max)
         residuals = jax.tree.map(jax.lax.stop_gradient, (q, k, v, out, lse, diff, const))
         # Exactly zero; its derivative with respect to the differentiable inputs, out and
         # lse raises (`second_order`). As the last residual it is the one that keeps its
         # derivative (`linear._linear_jvp`).
         z = second_order_guard(lse.dtype, *jax.tree.leaves((q, k, v, diff)), out, lse)
         d_out, d_lse = linear(cfg, which, (*residuals, z), nonzero)
-        return (out, lse), (d_out, d_lse)
+        return (out, lse, max_score), (d_out, d_lse, d_max)
 
     return wrapped

@@ -69,6 +69,14 @@ Output: TypeAlias = (
     Float[Array, "*batch heads seq_q dim_v"] | Float[Array, "seq_q dim_v"]
 )
 LSE: TypeAlias = Float[Array, "*batch heads seq_q"] | Float[Array, " seq_q"]
+# `return_max_scores=True`: the largest attended score of each row, shaped like the lse.
+MaxScores: TypeAlias = LSE
+# `(out, lse)` or `(out, lse, max_scores)`: checked exactly at run time; type checkers see
+# a tuple of arrays, so that both `out, lse = ...` and `out, lse, m = ...` type-check.
+if TYPE_CHECKING:
+    Attended: TypeAlias = tuple[Array, ...]
+else:
+    Attended = tuple[Output, LSE] | tuple[Output, LSE, MaxScores]
 
 # The static options. Type checkers see their real types; at run time they admit anything,
 # because `_options.make_options` checks them, with one message per bad value that every

@@ -26,8 +26,8 @@ from .._core.config import KernelConfig, kernel_config, stat_dtype
 from .._core.operands import Operands, add_cotangents, combine, pad_axis, replace, zeros_for
 from .._core.shapes import merge_heads, split_heads
 from .._core.types import (
-    LSE,
     AlibiSlopes,
+    Attended,
     BlockSize,
     Flag,
     Key,
@@ -35,7 +35,6 @@ from .._core.types import (
     KeySegmentIds,
     MaskMod,
     OptionalReal,
-    Output,
     Query,
     QuerySegmentIds,
     RingBias,
@@ -63,11 +62,13 @@ from .ring_plan import Ring, dispatch, plan, shift, vary, varying_axes_of
 from .sequence_order import Layout, check_layout, subchunks
 
 
-def _forward_pair(cfg: KernelConfig | None, out, lse, q, k, v, ops: Operands):
-    """Attend one chunk pair and merge it into the running normalised `(out, lse)`."""
+def _forward_pair(cfg: KernelConfig | None, out, lse, top, q, k, v, ops: Operands):
+    """Attend one chunk pair and merge it into the running normalised `(out, lse)` and
+    the running max score `top`."""
     if cfg is None:
-        return out, lse
-    return softmax.merge(out, lse, *forward(cfg, q, k, v, ops))
+        return out, lse, top
+    part_out, part_lse, part_top = forward(cfg, q, k, v, ops)
+    return (*softmax.merge(out, lse, part_out, part_lse), jnp.maximum(top, part_top))
 
 
 def _backward_pair(cfg: KernelConfig | None, wanted: Operands, grads, q, k, v, lse, delta,
@@ -104,15 +105,15 @@ def _ring_forward(ring: Ring, q, k, v, ops: RingOperands):
     stat = stat_dtype(q[0].dtype)
     out = tuple(jnp.zeros((*x.shape[:-1], v[0].shape[-1]), stat) for x in q)
     lse = tuple(jnp.full(x.shape[:-1], -jnp.inf, stat) for x in q)
-    out, lse = vary((out, lse), (q, k, v, ops))
+    out, lse, top = vary((out, lse, lse), (q, k, v, ops))
 
     def step(carry, i):
-        out, lse, here = carry
+        out, lse, top, here = carry
         # Issue the transfer first so it can overlap with this step's compute.
         nxt = shift(here, ring)
         k, v, travelling = here
         src = (me - i) % n
-        out, lse = list(out), list(lse)
+        out, lse, top = list(out), list(lse), list(top)
         for qp in range(m):
             for kp in range(m):
                 variants, table = variants_of[(qp, kp)]
@@ -120,12 +121,14 @@ def _ring_forward(ring: Ring, q, k, v, ops: RingOperands):
                 chunk = src * m + kp  # the key piece's chunk in ring order
                 pair = pair_operands(ops.home[qp], travelling[kp], ops.common, chunk, pad_k,
                                      q_index[qp], key_index(src, kp))
-                out[qp], lse[qp] = dispatch(branches, table, me, src, out[qp], lse[qp], q[qp],
-                                            k[kp], v[kp], pair)
-        return (tuple(out), tuple(lse), nxt), None
+                out[qp], lse[qp], top[qp] = dispatch(branches, table, me, src, out[qp],
+                                                     lse[qp], top[qp], q[qp], k[kp], v[kp],
+                                                     pair)
+        return (tuple(out), tuple(lse), tuple(top), nxt), None
 
-    (out, lse, _), _ = jax.lax.scan(step, (out, lse, (k, v, ops.travelling)), jnp.arange(n))
-    return tuple(o.astype(x.dtype) for o, x in zip(out, q, strict=True)), lse
+    (out, lse, top, _), _ = jax.lax.scan(
+        step, (out, lse, lse, (k, v, ops.travelling)), jnp.arange(n))
+    return tuple(o.astype(x.dtype) for o, x in zip(out, q, strict=True)), lse, top
 
 
 def _ring_backward(ring: Ring, q, k, v, ops: RingOperands, lse, delta, d_out, wanted):
@@ -190,9 +193,9 @@ def _ring_attention(ring: Ring, q, k, v, home_diff, common_diff, const: RingOper
 
 
 def _ring_attention_bwd(ring, residuals, cotangents, wanted):
-    q, k, v, home_diff, common_diff, const, out, lse = residuals
+    q, k, v, home_diff, common_diff, const, out, lse, _ = residuals
     ops = join_differentiable(const, home_diff, common_diff)
-    d_out, d_lse = cotangents
+    d_out, d_lse, _ = cotangents  # the max scores carry no derivative
     # delta once per call, for the merged out and lse; every ring step reads it.
     lse, delta = zip(*map(backward_statistics, out, lse, d_out, d_lse), strict=True)
     d_q, d_k, d_v, d_home, d_common = _ring_backward(ring, q, k, v, ops, lse, delta, d_out,
@@ -236,7 +239,8 @@ def ring_flash_attention(
     score_mod: ScoreMod | None = None,
     mask_mod: MaskMod | None = None,
     block_mask: BlockMask | None = None,
-) -> tuple[Output, LSE]:
+    return_max_scores: Flag = False,
+) -> Attended:
     """Flash attention over a sequence sharded along mesh axis `axis_name`.
 
     Call it inside `jax.shard_map`, on each device's shard: the sequence axis (−2) of q,
@@ -265,6 +269,8 @@ def ring_flash_attention(
         device's shard of the batch and heads axes. Gradients reach the score_mod's
         arrays, each device's share summed by `shard_map`'s transpose. Inside
         `shard_map(..., check_vma=False)` only (else `NotImplementedError`).
+    - `return_max_scores`: as in `flash_attention`: each local row's largest attended
+        score over every key of the ring (a running max carried with the merge).
     - `axis_name`: the mesh axis the sequence is sharded over.
     - `block_q`, `block_k`: kernel block sizes within one chunk.
     - `layout`: how the global sequence was cut into the shards. `"contiguous"`: device
@@ -275,7 +281,8 @@ def ring_flash_attention(
 
     **Returns:**
 
-    The local shard of `(out, lse)`, as `flash_attention` returns them.
+    The local shard of `(out, lse)` (and the max scores), as `flash_attention` returns
+    them.
 
     Dropout and dense `attn_mask` are not supported on the ring, nor are `q_lengths` and
     `kv_lengths` on the shards (an error says so): `sharded_flash_attention` takes them on
@@ -309,9 +316,10 @@ def ring_flash_attention(
     q, k, v = split_heads(bound.q, bound.k, bound.v, bound.shapes)
     ops = combine(bound.operands, mod_ops)
     # The sink joins the merged result once, after the ring has seen every key.
-    out, lse = ring_attention(ring, q, k, v, replace(ops, sinks=None))
+    out, lse, top = ring_attention(ring, q, k, v, replace(ops, sinks=None))
     out, lse = softmax.with_sink(out, lse, None if ops.sinks is None else ops.sinks[..., 0])
-    return merge_heads(out, lse, bound.shapes)
+    out, lse = merge_heads(out, lse, bound.shapes)
+    return (out, lse, top.reshape(lse.shape)) if bound.return_max_scores else (out, lse)
 
 
 def ring_size(axis_name: Hashable) -> int:
@@ -347,10 +355,10 @@ def ring_of(bound: Bound, axis_name: Hashable, n: int, layout: Layout, local: An
 
 
 def ring_attention(ring: Ring, q: Array, k: Array, v: Array, ops: Operands
-                   ) -> tuple[Array, Array]:
+                   ) -> tuple[Array, Array, Array]:
     """Ring attention on one device's shard in the internal layout (`_core.shapes`):
-    `(out, lse)` of its queries, internal too. `ops` holds the "columns" operands
-    (`ring_operands`) against every key of the ring."""
+    `(out, lse, max_scores)` of its queries, internal too (the max over the whole ring).
+    `ops` holds the "columns" operands (`ring_operands`) against every key of the ring."""
     cfg, m = ring.base, ring.pieces
     pad_q, pad_k = cfg.padded_seq
     qs = tuple(pad_axis(x, 3, pad_q) for x in jnp.split(q, m, axis=3))
@@ -361,9 +369,9 @@ def ring_attention(ring: Ring, q: Array, k: Array, v: Array, ops: Operands
     # cast sums the devices' shares of their cotangents.
     ring_ops = vary(ring_ops, (qs, ks, vs))
     (home_diff, common_diff), const = split_differentiable(ring_ops)
-    out, lse = cast(tuple[Any, Any], _ring_attention_ad(
+    out, lse, top = cast(tuple[Any, Any, Any], _ring_attention_ad(
         ring, qs, ks, vs, home_diff, common_diff, const))
     out = jnp.concatenate([o[..., : cfg.seq_q, :] for o in out], axis=3)
-    lse = jnp.concatenate([x[..., : cfg.seq_q] for x in lse], axis=3)
-    return out, lse
+    lse, top = (jnp.concatenate([x[..., : cfg.seq_q] for x in t], axis=3) for t in (lse, top))
+    return out, lse, jax.lax.stop_gradient(top)
 

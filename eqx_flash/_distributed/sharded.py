@@ -25,8 +25,8 @@ from .._core.operands import SHARED, Operands, layout_of, map_fields, replace
 from .._core.options import AttentionOptions
 from .._core.shapes import Shapes, merge_heads, split_heads
 from .._core.types import (
-    LSE,
     AlibiSlopes,
+    Attended,
     Bias,
     BlockSize,
     Flag,
@@ -36,7 +36,6 @@ from .._core.types import (
     Lengths,
     MaskMod,
     OptionalReal,
-    Output,
     Query,
     QuerySegmentIds,
     ScoreMod,
@@ -87,7 +86,8 @@ def sharded_flash_attention(
     score_mod: ScoreMod | None = None,
     mask_mod: MaskMod | None = None,
     block_mask: BlockMask | None = None,
-) -> tuple[Output, LSE]:
+    return_max_scores: Flag = False,
+) -> Attended:
     """`flash_attention` on global arrays, with the sequence sharded over `mesh`.
 
     **Arguments:**
@@ -106,6 +106,7 @@ def sharded_flash_attention(
         giving `flash_attention`'s result for those lengths. Lengths outside `[0, seq]`
         are clamped under `jax.jit` as in `flash_attention`.
     - `sinks`: as in `flash_attention`, counted once per row; differentiable.
+    - `return_max_scores`: as in `flash_attention`, reduced over the ring.
     - `bias`, `alibi_slopes`: as in `flash_attention` (global arrays; ALiBi at global
         positions), both differentiable. The bias is reordered with the sequence and
         sharded by query rows: each device holds its queries' rows against all keys,
@@ -122,7 +123,8 @@ def sharded_flash_attention(
 
     **Returns:**
 
-    `(out, lse)` as `flash_attention` returns them, as global arrays sharded like q.
+    `(out, lse)` (and the max scores) as `flash_attention` returns them, as global arrays
+    sharded like q.
 
     `score_mod`, `mask_mod` and `block_mask` raise `NotImplementedError`: use
     `alibi_slopes`/`bias` and causal/window/segment ids, or `ring_flash_attention` (which
@@ -159,11 +161,12 @@ def sharded_flash_attention(
         q5, k4, v4, ops = _lengths_as_segment_ids(shapes, bound.options, q5, k4, v4, ops)
     local = dataclasses.replace(shapes, seq_q=shapes.seq_q // n, seq_k=shapes.seq_k // n)
     ring, _ = ring_of(bound, seq_axis, n, layout, local=local)
-    out, lse = _sharded(q5, k4, v4, replace(ops, sinks=None), ring=ring, mesh=mesh,
-                        batch_axis=batch_axis, head_axis=head_axis)
+    out, lse, top = _sharded(q5, k4, v4, replace(ops, sinks=None), ring=ring, mesh=mesh,
+                             batch_axis=batch_axis, head_axis=head_axis)
     # The sink joins the merged global result: elementwise, sharded as out and lse are.
     out, lse = with_sink(out, lse, None if ops.sinks is None else ops.sinks[..., 0])
-    return merge_heads(out, lse, shapes)
+    out, lse = merge_heads(out, lse, shapes)
+    return (out, lse, top.reshape(lse.shape)) if bound.return_max_scores else (out, lse)
 
 
 # Segment ids of padding: no valid row has them, and a padded query's is not a padded key's.
@@ -282,16 +285,17 @@ def _sharded(q, k, v, ops: Operands, *, ring: Ring, mesh: Mesh, batch_axis, head
         if in_map:
             q, k, v = arrange(q, 3), arrange(k, 2), arrange(v, 2)
             ops = map_fields(inside, ops)
-        out, lse = ring_attention(ring, q, k, v, ops)
+        out, lse, top = ring_attention(ring, q, k, v, ops)
         if in_map:
-            out, lse = arrange(out, 3, inverse=True), arrange(lse, 3, inverse=True)
-        return out, lse
+            out, lse, top = (arrange(out, 3, inverse=True), arrange(lse, 3, inverse=True),
+                             arrange(top, 3, inverse=True))
+        return out, lse, top
 
     sharded = jax.shard_map(
         local, mesh=mesh,
         in_specs=(q_spec, kv_spec, kv_spec, _operand_specs(ops, seq_axis, batch_axis,
                                                            head_axis)),
-        out_specs=(q_spec, lse_spec),
+        out_specs=(q_spec, lse_spec, lse_spec),
         # The blockwise kernels create unsharded accumulators; see ring_flash_attention.
         check_vma=False,
     )
@@ -299,5 +303,5 @@ def _sharded(q, k, v, ops: Operands, *, ring: Ring, mesh: Mesh, batch_axis, head
     if in_map:
         return sharded(q, k, v, ops)
     q, k, v = arrange(q, 3), arrange(k, 2), arrange(v, 2)
-    out, lse = sharded(q, k, v, ops)
-    return arrange(out, 3, inverse=True), arrange(lse, 3, inverse=True)
+    out, lse, top = sharded(q, k, v, ops)
+    return tuple(arrange(x, 3, inverse=True) for x in (out, lse, top))

@@ -49,15 +49,17 @@ class _ForwardHead(NamedTuple):
 
 
 def forward(cfg: KernelConfig, q: Array, k: Array, v: Array, ops: Operands
-            ) -> tuple[Array, Array]:
-    """Returns `out` `(b, h, g, seq_q_padded, dim_v)` in q's dtype and `lse`
-    `(b, h, g, seq_q_padded)` in the statistics dtype (-inf for rows with no key)."""
+            ) -> tuple[Array, Array, Array]:
+    """Returns `out` `(b, h, g, seq_q_padded, dim_v)` in q's dtype, and `lse` and the
+    rows' largest attended scores (`softmax.max_score`) `(b, h, g, seq_q_padded)` in the
+    statistics dtype (both -inf for rows with no key). The max costs one row of
+    statistics per block and is dropped by XLA when unused."""
     kernel = functools.partial(_forward_head, cfg, band_ranges(cfg, by="q"))
     return per_head(kernel, ops, (q, k, v))
 
 
 def _forward_head(cfg: KernelConfig, bands: Bands, head: Head, arrays: tuple[Array, ...]
-                  ) -> tuple[Array, Array]:
+                  ) -> tuple[Array, Array, Array]:
     q, k, v = arrays  # (g, seq_q, d), (seq_k, d), (seq_k, dv)
     inputs = _ForwardHead(cfg, head, scaled(cfg, q), k, v, nonfinite_keys(v))
     limits = run_limits(cfg, head.operands, by="q")
@@ -66,14 +68,16 @@ def _forward_head(cfg: KernelConfig, bands: Bands, head: Head, arrays: tuple[Arr
         return None, _forward_query_block(inputs, bands, limits, i)
 
     num_q = q.shape[1] // cfg.block_q
-    _, (out, lse) = jax.lax.scan(query_block, None, jnp.arange(num_q, dtype=jnp.int32))
-    return unscan(out), unscan(lse)
+    _, results = jax.lax.scan(query_block, None, jnp.arange(num_q, dtype=jnp.int32))
+    out, lse, max_score = (unscan(x) for x in results)
+    return out, lse, max_score
 
 
 def _forward_query_block(
     inputs: _ForwardHead, bands: Bands, limits: Limits | None, i: Array
-) -> tuple[Array, Array]:
-    """`(out, lse)` of query block `i`, `(groups, block_q, dim_v)` and `(groups, block_q)`."""
+) -> tuple[Array, Array, Array]:
+    """`(out, lse, max_score)` of query block `i`, `(groups, block_q, dim_v)` and
+    `(groups, block_q)` twice."""
     cfg = inputs.cfg
     q_blk = rows(inputs.q, i * cfg.block_q, cfg.block_q, 1)
     groups = q_blk.shape[0]
@@ -84,8 +88,9 @@ def _forward_query_block(
         tile = functools.partial(_forward_tile, inputs, q_blk, i * cfg.block_q, j * cfg.block_k)
         return visit(cfg, inputs.head, i, j, positional, tile, state)
 
-    out, lse = softmax.finish(*over_band(bands, i, step, init, limits))
-    return out.astype(inputs.q.dtype), lse
+    state = over_band(bands, i, step, init, limits)
+    out, lse = softmax.finish(*state)
+    return out.astype(inputs.q.dtype), lse, softmax.max_score(state.row_max, state.row_sum)
 
 
 def _forward_tile(

@@ -44,7 +44,7 @@ def split_k_applies(cfg: KernelConfig, ops: Operands) -> bool:
 
 
 def split_k_forward(cfg: KernelConfig, q: Array, k: Array, v: Array, ops: Operands
-                    ) -> tuple[Array, Array]:
+                    ) -> tuple[Array, Array, Array]:
     """`forward.forward` with the key blocks taken `cfg.splits` at a time, one lane each.
     K and V are read in place, a round at a time (`heads.Rows`): a long cache is read
     once, not first copied head by head."""
@@ -53,7 +53,7 @@ def split_k_forward(cfg: KernelConfig, q: Array, k: Array, v: Array, ops: Operan
 
 def _split_k_head(
     cfg: KernelConfig, head: Head, arrays: tuple[Array, ...], kv: tuple[Rows, Rows],
-) -> tuple[Array, Array]:
+) -> tuple[Array, Array, Array]:
     (q,) = arrays
     k, v = kv
     groups = q.shape[0]
@@ -109,8 +109,10 @@ def _split_k_head(
 
         state = jax.lax.fori_loop(lo[i] // lanes, -(-hi[i] // lanes), one_round, state)
         out, lse = softmax.finish(*state)  # per lane: (lanes, g, bq, dv), (lanes, g, bq)
-        return None, softmax.merge_all(out, lse, axis=0)
+        max_score = jnp.max(softmax.max_score(state.row_max, state.row_sum), axis=0)
+        return None, (*softmax.merge_all(out, lse, axis=0), max_score)
 
     num_q = q.shape[1] // cfg.block_q
-    _, (out, lse) = jax.lax.scan(query_block, None, jnp.arange(num_q, dtype=jnp.int32))
-    return unscan(out).astype(q.dtype), unscan(lse)
+    _, (out, lse, max_score) = jax.lax.scan(query_block, None,
+                                            jnp.arange(num_q, dtype=jnp.int32))
+    return unscan(out).astype(q.dtype), unscan(lse), unscan(max_score)

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
+from .._core.compat import varying_axes
 from .._core.config import KernelConfig, stat_dtype
 from .._core.operands import Operands
 from .._mods.tracing import apply_mask_mod, apply_score_mod, mod_indices
@@ -274,6 +275,11 @@ def attended_values(v_blk: Array, mask: Array | None, bad_key: Array | None = No
         return v_blk, jnp.broadcast_to(none, rows_shape)
 
     if lanes > 1:  # flash-decoding reads each round once, in place: a cond would copy it
+        return clean(v_blk)
+    if varying_axes(mask) or varying_axes(v_blk):
+        # Under `shard_map(check_vma=True)` on several devices, a cond on a varying
+        # predicate fails to type-check (jax 0.10: "pvary is a invariant->variant
+        # collective"): always clean there.
         return clean(v_blk)
     return jax.lax.cond(jnp.any(bad_key), clean, as_is, v_blk)
 

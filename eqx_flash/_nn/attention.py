@@ -116,7 +116,9 @@ class FlashAttention(eqx.Module):
         score_mod: ScoreMod | None = None,
         mask_mod: MaskMod | None = None,
         block_mask: BlockMask | None = None,
-    ) -> Float[Array, "heads seq_q dim_v"]:
+        return_max_scores: bool = False,
+    ) -> Float[Array, "heads seq_q dim_v"] | tuple[Float[Array, "heads seq_q dim_v"],
+                                                   Float[Array, "heads seq_q"]]:
         """**Arguments:**
 
         - `q`: queries `(heads, seq_q, dim)`.
@@ -134,10 +136,13 @@ class FlashAttention(eqx.Module):
         - `score_mod`, `mask_mod`: for this call instead of the module's.
         - `block_mask`: `make_block_mask(mask_mod, (), heads, seq_q, seq_k, block_q,
             block_k)` of the `mask_mod` in use, for this example's sizes.
+        - `return_max_scores`: also return each row's largest attended score `(heads,
+            seq_q)`, as `flash_attention(..., return_max_scores=True)` (no gradient).
 
         **Returns:**
 
-        `(heads, seq_q, dim_v)` in q's dtype. A query that may attend to no key gets 0.
+        `(heads, seq_q, dim_v)` in q's dtype (then the max scores, if asked). A query
+        that may attend to no key gets 0.
         """
         inference = self.inference if inference is None else inference
         rate = dropout_rate("dropout_p", self.dropout_p, inference, key)
@@ -145,4 +150,5 @@ class FlashAttention(eqx.Module):
             q, k, v, mask, static_options(self), rate, key,
             per_call_arrays(self, q_lengths, kv_lengths, bias, alibi_slopes, sinks,
                             score_mod, mask_mod, block_mask),
+            return_max_scores,
         )

@@ -103,21 +103,24 @@ def per_call_arrays(
 def attend_heads(
     q: Array, k: Array, v: Array, mask: Array | None, options: dict[str, Any],
     rate: float, key: PRNGKeyArray | None, per_call: dict[str, Any],
-) -> Array:
+    return_max_scores: bool = False,
+) -> Array | tuple[Array, Array]:
     """Unbatched `(heads, seq_q, dim)` attention with an Equinox-style mask; `options`
     are `flash_attention`'s static keywords (`static_options`) and `per_call` its array
-    keywords given at call time (`per_call_arrays`)."""
+    keywords given at call time (`per_call_arrays`). With `return_max_scores`, `(out,
+    max_scores)`."""
     key_mask = attn_mask = None
     if mask is not None:
         if mask.ndim == 1:
             key_mask = mask
         else:
             attn_mask = mask
-    out, _ = flash_attention(
+    out, _, *max_scores = flash_attention(
         q, k, v, key_mask, attn_mask=attn_mask, dropout_rate=rate,
-        key=key if rate else None, **options, **per_call,
+        key=key if rate else None, return_max_scores=return_max_scores, **options,
+        **per_call,
     )
-    return out
+    return (out, max_scores[0]) if return_max_scores else out
 
 
 def project(proj: eqx.nn.Linear, x: Array, heads: int) -> Array:

@@ -267,7 +267,9 @@ class FlashMultiheadAttention(eqx.Module):
         score_mod: ScoreMod | None = None,
         mask_mod: MaskMod | None = None,
         block_mask: BlockMask | None = None,
-    ) -> Float[Array, "seq_q output_size"]:
+        return_max_scores: bool = False,
+    ) -> Float[Array, "seq_q output_size"] | tuple[Float[Array, "seq_q output_size"],
+                                                   Float[Array, "num_heads seq_q"]]:
         """**Arguments:**
 
         - `query`: `(seq_q, query_size)`.
@@ -291,10 +293,13 @@ class FlashMultiheadAttention(eqx.Module):
         - `score_mod`, `mask_mod`: for this call instead of the layer's.
         - `block_mask`: `make_block_mask(mask_mod, (), num_heads, seq_q, seq_k, block_q,
             block_k, kv_heads=num_kv_heads)` of the `mask_mod` in use.
+        - `return_max_scores`: also return each head's per-row largest attended score
+            `(num_heads, seq_q)` (no gradient), the statistic QK-clip/MuonClip rescales
+            `query_proj` and `key_proj` by.
 
         **Returns:**
 
-        `(seq_q, output_size)`.
+        `(seq_q, output_size)`, then the max scores if asked.
         """
         if deterministic is not None:
             inference = deterministic
@@ -318,14 +323,17 @@ class FlashMultiheadAttention(eqx.Module):
                 q, k, v = process(process_heads, q, k, v)
             inference = self.dropout.inference if inference is None else inference
             rate = dropout_rate("dropout.p", self.dropout.p, inference, key)
-            heads = attend_heads(
+            result = attend_heads(
                 jnp.swapaxes(q, 0, 1), jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1), mask,
                 static_options(self), rate, key,
                 per_call_arrays(self, q_lengths, kv_lengths, bias, alibi_slopes, self.sinks,
                                 score_mod, mask_mod, block_mask),
+                return_max_scores,
             )
+            heads, max_scores = result if isinstance(result, tuple) else (result, None)
             attn = jnp.swapaxes(heads, 0, 1).reshape(query.shape[0], -1)
-            return jax.vmap(self.output_proj)(attn)
+            out = jax.vmap(self.output_proj)(attn)
+            return out if max_scores is None else (out, max_scores)
 
     def init_cache(
         self, max_len: int, *, window: int | None = None, dtype: Any = None

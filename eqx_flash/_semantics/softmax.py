@@ -62,6 +62,12 @@ def finish(acc: Array, row_max: Array, row_sum: Array) -> tuple[Array, Array]:
     return out, lse
 
 
+def max_score(row_max: Array, row_sum: Array) -> Array:
+    """The largest final score a row attended (QK-clip's statistic): the online max,
+    -inf for a row that attended nothing (whose max stayed at `start`'s floor)."""
+    return jnp.where(row_sum == 0, -jnp.inf, row_max)
+
+
 def poison(acc: Array, reaches_nonfinite: Array | None) -> Array:
     """`acc` with the rows that attend a non-finite value (`tile.attended_values`) set to
     NaN, which `finish` keeps."""

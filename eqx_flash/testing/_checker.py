@@ -127,7 +127,10 @@ def _tangents(inputs: "AttentionInputs", seed: int) -> tuple[Any, ...]:
 
 def _evaluate(fn, static, q, k, v, arrays, extra, mode: str) -> Any:
     """`mode` "values" or "grads": `_values_and_grads` with weights `extra`; "jvp":
-    `_evaluate_jvp` along tangents `extra`."""
+    `_evaluate_jvp` along tangents `extra`; "max_scores": the third result of
+    `fn(..., return_max_scores=True)`."""
+    if mode == "max_scores":
+        return fn(q, k, v, **_join(static, arrays), return_max_scores=True)[2]
     if mode == "jvp":
         return _evaluate_jvp(fn, static, q, k, v, arrays, extra)
     return _values_and_grads(fn, static, q, k, v, arrays, extra, mode == "grads")
@@ -215,6 +218,7 @@ def check_attention(
     jit: bool = True,
     tolerance: Tolerance | None = None,
     seed: int = 0,
+    max_scores: bool = False,
 ) -> None:
     """Assert that `fn` computes the same attention as `reference` on `inputs`.
 
@@ -239,6 +243,8 @@ def check_attention(
         cannot be traced.
     - `tolerance`: overrides the per-dtype table `TOLERANCES` (chosen by `q`'s dtype).
     - `seed`: seed of the random linear function the gradients are taken of.
+    - `max_scores`: also compare the per-row max scores of `fn(...,
+        return_max_scores=True)` (judged like lse: `-inf` in the same places).
 
     **Raises:**
 
@@ -284,6 +290,10 @@ def check_attention(
             problems.append(
                 _compare(name, got, expected, tol.grad, per_tensor=True, floor=0.1 * scale)
             )
+    if max_scores:
+        got, expected = (_run(f, inputs.kwargs, q, k, v, None, "max_scores", jit)
+                         for f in (fn, reference))
+        problems.append(_compare("max_scores", got, expected, tol.lse, per_tensor=False))
     problems = [p for p in problems if p is not None]
     if problems:
         report = "\n".join(f"  {p}" for p in problems)
