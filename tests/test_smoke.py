@@ -185,6 +185,14 @@ def test_lengths_bias_and_alibi_match_plain(getkey):
         assert_close(g, r, scale=4.0)
 
 
+@covers("dot_product_attention")
+def test_dot_product_attention_is_jax_nns(getkey):
+    q = jax.random.normal(getkey(), (2, 12, 4, 8))  # jax.nn's (batch, seq, heads, dim)
+    k, v = (jax.random.normal(getkey(), (2, 20, 2, 8)) for _ in range(2))
+    out = eqx_flash.dot_product_attention(q, k, v, is_causal=True)
+    assert_close(out, jax.nn.dot_product_attention(q, k, v, is_causal=True))
+
+
 @covers("merge_attention")
 def test_merge_attention_of_two_key_halves(getkey):
     q, k, v = qkv(getkey(), (2, 4, 12, 8), (2, 4, 32, 8))

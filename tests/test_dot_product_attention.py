@@ -1,0 +1,159 @@
+"""`eqx_flash.dot_product_attention` against `jax.nn.dot_product_attention` itself: values,
+residual and gradients over a grid of its options, unequal lengths (where its top-left
+alignment differs from eqx_flash's bottom-right), GQA, unbatched calls and bf16."""
+
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_close
+
+import eqx_flash
+
+B, N, K, H = 2, 4, 2, 8
+LENGTHS = {"equal": (16, 16), "more_keys": (12, 20), "more_queries": (20, 12)}
+OPTIONS = {
+    "none": {},
+    "causal": dict(is_causal=True),
+    "window": dict(local_window_size=(6, 2)),
+    "causal_window": dict(is_causal=True, local_window_size=5),
+    "seq_lengths": dict(is_causal=True, query_seq_lengths=(None, 7),
+                        key_value_seq_lengths=(None, 9)),
+    "bias_mask": dict(bias=True, mask=True),
+}
+
+
+def _inputs(seq_q, seq_k, dtype=jnp.float32, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 5)
+    q = jax.random.normal(keys[0], (B, seq_q, N, H), dtype)
+    k, v = (jax.random.normal(keys[i], (B, seq_k, K, H), dtype) for i in (1, 2))
+    return q, k, v, keys[3:]
+
+
+def _kwargs(option, seq_q, seq_k, keys):
+    kw = {}
+    for name, value in OPTIONS[option].items():
+        if name == "bias":
+            kw["bias"] = jax.random.normal(keys[0], (1, N, seq_q, seq_k))
+        elif name == "mask":  # per batch element and key, every row keeping one key
+            kw["mask"] = (jax.random.uniform(keys[1], (B, 1, 1, seq_k)) > 0.3).at[..., 0].set(True)
+        elif name == "query_seq_lengths":
+            kw[name] = jnp.array([seq_q, value[1]], jnp.int32)
+        elif name == "key_value_seq_lengths":
+            kw[name] = jnp.array([seq_k, value[1]], jnp.int32)
+        else:
+            kw[name] = value
+    return kw
+
+
+def _attended(lse):
+    """Rows that attend a key (jax.nn averages the values of the others: a documented
+    difference), `(B, T, N)`."""
+    return np.isfinite(np.asarray(lse, np.float32))
+
+
+@pytest.mark.parametrize("option", list(OPTIONS))
+@pytest.mark.parametrize("lengths", list(LENGTHS))
+def test_values_residual_and_gradients_match_jax_nn(option, lengths):
+    seq_q, seq_k = LENGTHS[lengths]
+    q, k, v, keys = _inputs(seq_q, seq_k)
+    kw = _kwargs(option, seq_q, seq_k, keys)
+    out, lse = eqx_flash.dot_product_attention(q, k, v, **kw, return_residual=True)
+    ref_out, ref_lse = jax.nn.dot_product_attention(q, k, v, **kw, return_residual=True)
+    assert out.shape == ref_out.shape == q.shape and lse.shape == ref_lse.shape == q.shape[:-1]
+    rows = _attended(lse)
+    assert rows.any()
+    assert_close(np.where(rows[..., None], out, 0), np.where(rows[..., None], ref_out, 0))
+    assert_close(np.where(rows, lse, 0), np.where(rows, ref_lse, 0), kind="lse")
+    if "query_seq_lengths" in kw:  # padded rows are 0 in both
+        assert np.all(np.asarray(out)[1, kw["query_seq_lengths"][1]:] == 0)
+
+    weights = jax.random.normal(jax.random.key(9), q.shape)
+    weights = jnp.where(jnp.asarray(rows)[..., None], weights, 0.0)
+
+    def loss(fn, q, k, v):
+        return jnp.sum(fn(q, k, v, **kw) * weights)
+
+    grads = jax.grad(functools.partial(loss, eqx_flash.dot_product_attention),
+                     argnums=(0, 1, 2))(q, k, v)
+    ref_grads = jax.grad(functools.partial(loss, jax.nn.dot_product_attention),
+                         argnums=(0, 1, 2))(q, k, v)
+    if not rows.all():  # rows without keys: jax.nn still sends them gradient; ours none
+        return
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads, strict=True):
+        assert_close(g, r, kind="grad", name=name)
+
+
+def test_bias_gradient_and_bf16():
+    q, k, v, keys = _inputs(16, 24)
+    bias = jax.random.normal(keys[0], (B, N, 16, 24))
+
+    def loss(fn, bias):
+        return jnp.sum(fn(q, k, v, bias, is_causal=True) ** 2)
+
+    got = jax.grad(functools.partial(loss, eqx_flash.dot_product_attention))(bias)
+    expected = jax.grad(functools.partial(loss, jax.nn.dot_product_attention))(bias)
+    assert_close(got, expected, kind="grad")
+    qb, kb, vb = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    out = eqx_flash.dot_product_attention(qb, kb, vb, is_causal=True)
+    with jax.numpy_dtype_promotion("standard"):  # jax.nn's own code mixes bf16 and f32
+        ref = jax.nn.dot_product_attention(qb, kb, vb, is_causal=True)
+    assert out.dtype == ref.dtype == jnp.bfloat16
+    assert_close(out, ref, dtype=jnp.bfloat16)
+
+
+def test_unbatched_and_jit():
+    q, k, v, _ = _inputs(12, 20)
+    fn = jax.jit(functools.partial(eqx_flash.dot_product_attention, is_causal=True,
+                                   return_residual=True))
+    out, lse = fn(q[0], k[0], v[0])
+    ref, ref_lse = jax.nn.dot_product_attention(q[0], k[0], v[0], is_causal=True,
+                                                return_residual=True)
+    assert out.shape == (12, N, H) and lse.shape == (12, N)
+    assert_close(out, ref)
+    assert_close(lse, ref_lse, kind="lse")
+
+
+def test_implementation_hands_over_to_jax_nn():
+    q, k, v, _ = _inputs(16, 16)
+    got = eqx_flash.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+    expected = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+    ours = eqx_flash.dot_product_attention(q, k, v, is_causal=True, implementation="eqx_flash")
+    assert_close(ours, expected)
+
+
+def test_errors_name_the_argument():
+    q, k, v, _ = _inputs(16, 16)
+    cases = [
+        (dict(implementation="flash"), ValueError, "implementation must be one of"),
+        (dict(mask=jnp.ones((B, 1, 16, 16), jnp.int32)), TypeError, "mask must be a bool"),
+        (dict(bias=jnp.ones((1, 1, B, N, 16, 16))), ValueError, "bias must have at most 4"),
+        (dict(query_seq_lengths=jnp.ones((3,), jnp.int32)), ValueError,
+         r"query_seq_lengths must be an integer array of shape \(2,\)"),
+        (dict(is_causal=1), TypeError, "is_causal must be a bool"),
+    ]
+    for kwargs, error, message in cases:
+        with pytest.raises(error, match=message):
+            eqx_flash.dot_product_attention(q, k, v, **kwargs)
+    with pytest.raises(ValueError, match="value must have key's shape"):
+        eqx_flash.dot_product_attention(q, k, v[..., :4])
+    with pytest.raises(ValueError, match="must all be"):
+        eqx_flash.dot_product_attention(q, k[0], v[0])
+    with pytest.raises((ValueError, TypeError), match="heads"):
+        eqx_flash.dot_product_attention(q[:, :, :3], k, v)  # 3 query heads, 2 kv heads
+
+
+@pytest.mark.parametrize(("seq_q", "seq_k", "window"),
+                         list(itertools.product((1, 5, 33), (1, 7, 40), (None, (3, 1)))))
+def test_small_and_ragged_lengths(seq_q, seq_k, window):
+    q, k, v, _ = _inputs(seq_q, seq_k, seed=3)
+    out, lse = eqx_flash.dot_product_attention(q, k, v, is_causal=True,
+                                               local_window_size=window, return_residual=True)
+    ref = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=window)
+    rows = _attended(lse)
+    assert_close(np.where(rows[..., None], out, 0), np.where(rows[..., None], ref, 0))
+    assert np.all(np.asarray(out)[~rows] == 0)
