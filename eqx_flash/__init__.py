@@ -11,6 +11,8 @@ from ._distributed.sequence_order import from_ring_layout as from_ring_layout
 from ._distributed.sequence_order import ring_order as ring_order
 from ._distributed.sequence_order import to_ring_layout as to_ring_layout
 from ._distributed.sharded import sharded_flash_attention as sharded_flash_attention
+from ._frontends.flash_attn import flash_attn_func as flash_attn_func
+from ._frontends.flash_attn import flash_attn_varlen_func as flash_attn_varlen_func
 from ._frontends.jax_nn import dot_product_attention as dot_product_attention
 from ._mods.block_mask import BlockMask as BlockMask
 from ._mods.block_mask import make_block_mask as make_block_mask

@@ -193,6 +193,18 @@ def test_dot_product_attention_is_jax_nns(getkey):
     assert_close(out, jax.nn.dot_product_attention(q, k, v, is_causal=True))
 
 
+@covers("flash_attn_varlen_func", "flash_attn_func")
+def test_flash_attn_varlen_func_attends_within_each_sequence(getkey):
+    q = jax.random.normal(getkey(), (9, 4, 8))  # packed: sequences of 3 and 6 tokens
+    k, v = (jax.random.normal(getkey(), (9, 2, 8)) for _ in range(2))
+    cu = jnp.array([0, 3, 9], jnp.int32)
+    out = eqx_flash.flash_attn_varlen_func(q, k, v, cu, cu, 6, 6, causal=True)
+    for a, b in ((0, 3), (3, 9)):
+        alone = eqx_flash.flash_attn_func(q[None, a:b], k[None, a:b], v[None, a:b],
+                                          causal=True)
+        assert_close(out[a:b], alone[0])
+
+
 @covers("merge_attention")
 def test_merge_attention_of_two_key_halves(getkey):
     q, k, v = qkv(getkey(), (2, 4, 12, 8), (2, 4, 32, 8))

@@ -1,0 +1,227 @@
+"""FlashAttention-2's Python entry points, `flash_attn_func` and `flash_attn_varlen_func`,
+with its layout (`(batch, seqlen, heads, dim)`, or packed `(total, heads, dim)` with
+cumulative sequence lengths) and semantics on eqx_flash's kernels.
+
+FA2's dense conventions are eqx_flash's own (causal, window and ALiBi aligned bottom-right),
+so `flash_attn_func` only moves the heads axis and renames. The packed call attends within
+each sequence, aligned bottom-right *per sequence*: that is a `mask_mod` (same sequence,
+causal/window on positions within it) and, for ALiBi, a `score_mod` on those positions,
+both small `eqx.Module`s over the packed index arrays. The call summarises the `mask_mod`
+per block pair, so blocks that straddle no sequence pair are never computed.
+"""
+
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, ArrayLike
+
+from .._api.flash import flash_attention
+from .._core.types import Flag, OptionalReal
+
+
+def flash_attn_func(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    dropout_p: OptionalReal = 0.0,
+    softmax_scale: OptionalReal = None,
+    causal: Flag = False,
+    window_size: Any = (-1, -1),  # (left, right); checked by `_options`
+    softcap: OptionalReal = 0.0,
+    alibi_slopes: ArrayLike | None = None,
+    deterministic: Flag = False,
+    return_attn_probs: Flag = False,
+    *,
+    key: Any = None,
+) -> Array | tuple[Array, Array, None]:
+    """FlashAttention-2's `flash_attn_func` on `(batch, seqlen, heads, dim)` arrays.
+
+    **Arguments** (as in FA2): `q` `(batch, seqlen_q, heads, dim)`, `k`, `v` `(batch,
+    seqlen_k, kv_heads, dim)` (`kv_heads` dividing `heads`); `dropout_p` (needs `key`, a
+    PRNG key: JAX has no global generator); `softmax_scale` (default `1/sqrt(dim)`);
+    `causal` and `window_size=(left, right)` (`-1`: unbounded) aligned bottom-right;
+    `softcap` (`0.0`: none); `alibi_slopes` `(heads,)` or `(batch, heads)`;
+    `deterministic` (eqx_flash's backward pass is always deterministic: accepted, ignored);
+    `return_attn_probs`.
+
+    **Returns:** `out` `(batch, seqlen_q, heads, dim)`; with `return_attn_probs`, `(out,
+    softmax_lse, None)`, the lse `(batch, heads, seqlen_q)` in float32 (the probabilities
+    are never formed).
+    """
+    del deterministic
+    q, k, v = (jnp.swapaxes(jnp.asarray(x), -3, -2) for x in (q, k, v))
+    out, lse = flash_attention(q, k, v, **_options(dropout_p, softmax_scale, causal,
+                                                   window_size, softcap, key),
+                               alibi_slopes=None if alibi_slopes is None
+                               else jnp.asarray(alibi_slopes))
+    out = jnp.swapaxes(out, -3, -2)
+    return (out, lse, None) if return_attn_probs else out
+
+
+def flash_attn_varlen_func(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    cu_seqlens_q: ArrayLike,
+    cu_seqlens_k: ArrayLike,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: OptionalReal = 0.0,
+    softmax_scale: OptionalReal = None,
+    causal: Flag = False,
+    window_size: Any = (-1, -1),  # (left, right); checked by `_options`
+    softcap: OptionalReal = 0.0,
+    alibi_slopes: ArrayLike | None = None,
+    deterministic: Flag = False,
+    return_attn_probs: Flag = False,
+    *,
+    key: Any = None,
+) -> Array | tuple[Array, Array, None]:
+    """FlashAttention-2's `flash_attn_varlen_func` on packed sequences.
+
+    **Arguments** (as in FA2): `q` `(total_q, heads, dim)`, `k`, `v` `(total_k, kv_heads,
+    dim)`: the sequences of a batch one after another; `cu_seqlens_q`, `cu_seqlens_k`
+    int32 `(batch + 1,)`, the cumulative lengths (starting at 0, ending at `total`),
+    traced arrays welcome (under `jax.jit`); `max_seqlen_q`, `max_seqlen_k`: Python ints
+    bounding the lengths (checked when the lengths are concrete). Sequence `b`'s queries
+    attend only its keys; `causal`, `window_size` and ALiBi (`alibi_slopes` `(heads,)`
+    or `(batch, heads)`) are aligned bottom-right within each sequence (query `i` of a
+    sequence of `n_q` queries and `n_k` keys against its key `i + n_k - n_q`). The other
+    arguments as in `flash_attn_func`.
+
+    **Returns:** `out` `(total_q, heads, dim)`; with `return_attn_probs`, `(out,
+    softmax_lse, None)`, the lse in FA2's `(heads, total_q)` layout, float32.
+    """
+    del deterministic
+    q, k, v = (jnp.asarray(x) for x in (q, k, v))
+    if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
+        raise ValueError(f"q, k and v must be packed (total, heads, dim); got q.shape="
+                         f"{q.shape}, k.shape={k.shape}, v.shape={v.shape}")
+    cu_q = _cumulative("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
+    cu_k = _cumulative("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
+    if cu_q.shape != cu_k.shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of "
+                         f"sequences; got shapes {cu_q.shape} and {cu_k.shape}")
+    options = _options(dropout_p, softmax_scale, causal, window_size, softcap, key)
+    packing = _Packing.of(cu_q, cu_k, q.shape[0], k.shape[0])
+    window = options.pop("window")
+    mask_mod = _WithinSequence(packing, options.pop("causal"), window)
+    score_mod = None
+    if alibi_slopes is not None:
+        slopes = jnp.asarray(alibi_slopes)
+        if slopes.shape not in ((q.shape[1],), (cu_q.shape[0] - 1, q.shape[1])):
+            raise ValueError(f"alibi_slopes must have shape ({q.shape[1]},) or "
+                             f"({cu_q.shape[0] - 1}, {q.shape[1]}); got {slopes.shape}")
+        score_mod = _AlibiWithinSequence(packing, slopes)
+    q, k, v = (jnp.swapaxes(x, 0, 1) for x in (q, k, v))  # (heads, total, dim)
+    out, lse = flash_attention(q, k, v, mask_mod=mask_mod, score_mod=score_mod, **options)
+    out = jnp.swapaxes(out, 0, 1)
+    return (out, lse, None) if return_attn_probs else out
+
+
+def _options(dropout_p, softmax_scale, causal, window_size, softcap, key) -> dict[str, Any]:
+    """FA2's keywords as `flash_attention`'s (its checks name them as eqx_flash does)."""
+    if not isinstance(window_size, tuple | list) or len(window_size) != 2:
+        raise ValueError(f"window_size must be a pair (left, right), -1 for unbounded; got "
+                         f"window_size={window_size!r}")
+    left, right = (None if w == -1 else w for w in window_size)
+    if causal:
+        right = 0  # FA2: causal with a window keeps its left side
+    window = None if left is None and right is None else (left, right)
+    return dict(scale=softmax_scale, causal=causal, window=window,
+                softcap=None if softcap == 0.0 else softcap, dropout_rate=dropout_p,
+                key=key if dropout_p else None)
+
+
+def _cumulative(name: str, cu: ArrayLike, total: int, max_seqlen: int) -> Array:
+    cu = jnp.asarray(cu)
+    if cu.ndim != 1 or cu.shape[0] < 2 or not jnp.issubdtype(cu.dtype, jnp.integer):
+        raise ValueError(f"{name} must be an integer array (batch + 1,); got {name}.shape="
+                         f"{cu.shape}, {name}.dtype={cu.dtype}")
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 1:
+        raise ValueError(f"max_seqlen must be a positive int; got {max_seqlen!r} with {name}")
+    try:
+        concrete = jax.device_get(cu)
+    except jax.errors.ConcretizationTypeError:
+        return cu.astype(jnp.int32)
+    lengths = concrete[1:] - concrete[:-1]
+    if concrete[0] != 0 or concrete[-1] != total or (lengths < 0).any():
+        raise ValueError(f"{name} must rise from 0 to {total} (the packed length); got "
+                         f"{name}={concrete.tolist()}")
+    if lengths.max() > max_seqlen:
+        raise ValueError(f"{name} holds a sequence of {int(lengths.max())} tokens, past "
+                         f"max_seqlen={max_seqlen}")
+    return cu.astype(jnp.int32)
+
+
+class _Packing(eqx.Module):
+    """Each packed query's and key's sequence and position within it, and each
+    sequence's bottom-right offset `n_k - n_q`."""
+
+    q_seq: Array  # (total_q,)
+    q_pos: Array
+    k_seq: Array  # (total_k,)
+    k_pos: Array
+    offset: Array  # (batch,)
+
+    @classmethod
+    def of(cls, cu_q: Array, cu_k: Array, total_q: int, total_k: int) -> "_Packing":
+        def locate(cu: Array, total: int) -> tuple[Array, Array]:
+            index = jnp.arange(total, dtype=jnp.int32)
+            seq = (jnp.searchsorted(cu, index, side="right") - 1).astype(jnp.int32)
+            return seq, index - cu[seq]
+
+        (q_seq, q_pos), (k_seq, k_pos) = locate(cu_q, total_q), locate(cu_k, total_k)
+        offset = (cu_k[1:] - cu_k[:-1]) - (cu_q[1:] - cu_q[:-1])
+        return cls(q_seq, q_pos, k_seq, k_pos, offset)
+
+    def at(self, q_idx: Array, kv_idx: Array) -> tuple[Array, Array, Array]:
+        """`(same sequence, query position aligned on the keys', key position)` of the
+        pairs; indices past the ends (blocks' padding, masked anyway) are clipped."""
+        def take(x: Array, i: Array) -> Array:
+            return jnp.take(x, i, mode="clip")
+
+        seq = take(self.q_seq, q_idx)
+        same = seq == take(self.k_seq, kv_idx)
+        return same, take(self.q_pos, q_idx) + take(self.offset, seq), take(self.k_pos, kv_idx)
+
+
+class _WithinSequence(eqx.Module):
+    """mask_mod: a query attends the keys of its own sequence, within the causal/window
+    band measured on positions in the sequence."""
+
+    packing: _Packing
+    causal: bool = eqx.field(static=True)
+    window: tuple[int | None, int | None] | None = eqx.field(static=True)
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        del b, h
+        same, p, j = self.packing.at(q_idx, kv_idx)
+        if self.causal:
+            same = same & (j <= p)
+        if self.window is not None:
+            left, right = self.window
+            if left is not None:
+                same = same & (j >= p - left)
+            if right is not None:
+                same = same & (j <= p + right)
+        return same
+
+
+class _AlibiWithinSequence(eqx.Module):
+    """score_mod: FA2's ALiBi, `-slope * |p - j|` on positions within the sequence;
+    `slopes` `(heads,)` or per sequence `(batch, heads)`, differentiable."""
+
+    packing: _Packing
+    slopes: Array
+
+    def __call__(self, s, b, h, q_idx, kv_idx):
+        del b
+        _, p, j = self.packing.at(q_idx, kv_idx)
+        if self.slopes.ndim == 1:
+            slope = self.slopes[h]
+        else:
+            slope = self.slopes[jnp.take(self.packing.q_seq, q_idx, mode="clip"), h]
+        return s - slope.astype(s.dtype) * jnp.abs(p - j).astype(s.dtype)

@@ -1,0 +1,165 @@
+"""FlashAttention-2's entry points: `flash_attn_varlen_func` on packed sequences equals
+attention on each sequence alone (values and gradients), and `flash_attn_func` equals
+`flash_attention` in FA2's layout."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_close, assert_lse_close
+
+import eqx_flash
+
+HEADS, KV_HEADS, DIM = 4, 2, 8
+# (query length, key length) of each packed sequence: lengths of 1, unequal q/k lengths.
+SEQUENCES = [(5, 5), (1, 9), (12, 4), (7, 13), (1, 1), (20, 20)]
+OPTIONS = {
+    "full": {},
+    "causal": dict(causal=True),
+    "window": dict(window_size=(3, 2)),
+    "causal_window": dict(causal=True, window_size=(4, -1)),
+    "alibi_softcap": dict(causal=True, softcap=3.0, alibi=True),
+    "scale": dict(softmax_scale=0.3),
+}
+
+
+def _packed(seed=0):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    total_q = sum(n for n, _ in SEQUENCES)
+    total_k = sum(n for _, n in SEQUENCES)
+    q = jax.random.normal(keys[0], (total_q, HEADS, DIM))
+    k = jax.random.normal(keys[1], (total_k, KV_HEADS, DIM))
+    v = jax.random.normal(keys[2], (total_k, KV_HEADS, DIM))
+    cu_q = jnp.asarray(np.cumsum([0] + [n for n, _ in SEQUENCES]), jnp.int32)
+    cu_k = jnp.asarray(np.cumsum([0] + [n for _, n in SEQUENCES]), jnp.int32)
+    slopes = jax.random.uniform(keys[3], (HEADS,))
+    return q, k, v, cu_q, cu_k, slopes
+
+
+def _fa2_kwargs(option, slopes):
+    kw = dict(OPTIONS[option])
+    if kw.pop("alibi", False):
+        kw["alibi_slopes"] = slopes
+    return kw
+
+
+def _one_sequence(q, k, v, option, slopes):
+    """`flash_attention` on one sequence in eqx_flash's layout: FA2's semantics are its
+    own (bottom-right causal, window and ALiBi)."""
+    kw = dict(OPTIONS[option])
+    window = kw.pop("window_size", None)
+    if window is not None:
+        left, right = (None if w == -1 else w for w in window)
+        kw["window"] = (left, 0 if kw.get("causal") else right)
+    if kw.pop("alibi", False):
+        kw["alibi_slopes"] = slopes
+    if "softmax_scale" in kw:
+        kw["scale"] = kw.pop("softmax_scale")
+    out, lse = eqx_flash.plain_attention(*(jnp.swapaxes(x, 0, 1) for x in (q, k, v)), **kw)
+    return jnp.swapaxes(out, 0, 1), lse
+
+
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_each_packed_sequence_is_attention_on_it_alone(option):
+    q, k, v, cu_q, cu_k, slopes = _packed()
+    kw = _fa2_kwargs(option, slopes)
+    fn = functools.partial(eqx_flash.flash_attn_varlen_func, cu_seqlens_q=cu_q,
+                           cu_seqlens_k=cu_k, max_seqlen_q=20, max_seqlen_k=20,
+                           return_attn_probs=True, **kw)
+    out, lse, probs = jax.jit(fn)(q, k, v)
+    assert probs is None and out.shape == q.shape and lse.shape == (HEADS, q.shape[0])
+    weights = jax.random.normal(jax.random.key(5), q.shape)
+    grads = jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v)[0] * weights),
+                     argnums=(0, 1, 2))(q, k, v)
+    for b, ((nq, nk), (a, c)) in enumerate(zip(SEQUENCES, zip(cu_q[:-1], cu_k[:-1], strict=True),
+                                               strict=True)):
+        a, c = int(a), int(c)
+        part = (q[a:a + nq], k[c:c + nk], v[c:c + nk])
+        ref_out, ref_lse = _one_sequence(*part, option, slopes)
+        assert_close(out[a:a + nq], ref_out, name=f"out of sequence {b}")
+        assert_lse_close(lse[:, a:a + nq], ref_lse)
+
+        def alone(q, k, v, w=weights[a:a + nq]):
+            return jnp.sum(_one_sequence(q, k, v, option, slopes)[0] * w)
+
+        ref_grads = jax.grad(alone, argnums=(0, 1, 2))(*part)
+        for name, g, r in zip(("dq", "dk", "dv"), (grads[0][a:a + nq], grads[1][c:c + nk],
+                                                   grads[2][c:c + nk]), ref_grads,
+                              strict=True):
+            assert_close(g, r, kind="grad", name=f"{name} of sequence {b}")
+
+
+def test_alibi_slopes_per_sequence_and_their_gradient():
+    q, k, v, cu_q, cu_k, _ = _packed(1)
+    slopes = jax.random.uniform(jax.random.key(7), (len(SEQUENCES), HEADS))
+
+    def packed(slopes):
+        out = eqx_flash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 20, 20, causal=True,
+                                               alibi_slopes=slopes)
+        return jnp.sum(out ** 2)
+
+    def separately(slopes):
+        total = 0.0
+        for b, (nq, nk) in enumerate(SEQUENCES):
+            a, c = int(cu_q[b]), int(cu_k[b])
+            out, _ = eqx_flash.plain_attention(
+                *(jnp.swapaxes(x, 0, 1) for x in (q[a:a + nq], k[c:c + nk], v[c:c + nk])),
+                causal=True, alibi_slopes=slopes[b])
+            total = total + jnp.sum(out ** 2)
+        return total
+
+    assert_close(packed(slopes), separately(slopes))
+    assert_close(jax.grad(packed)(slopes), jax.grad(separately)(slopes), kind="grad")
+
+
+def test_flash_attn_func_is_flash_attention_in_fa2_layout():
+    keys = jax.random.split(jax.random.key(2), 4)
+    q = jax.random.normal(keys[0], (2, 24, HEADS, DIM))
+    k, v = (jax.random.normal(keys[i], (2, 40, KV_HEADS, DIM)) for i in (1, 2))
+    slopes = jax.random.uniform(keys[3], (2, HEADS))
+    out, lse, _ = eqx_flash.flash_attn_func(q, k, v, causal=True, window_size=(8, -1),
+                                            softcap=5.0, alibi_slopes=slopes,
+                                            return_attn_probs=True)
+    ref, ref_lse = eqx_flash.flash_attention(
+        *(jnp.swapaxes(x, 1, 2) for x in (q, k, v)), causal=True, window=(8, 0), softcap=5.0,
+        alibi_slopes=slopes)
+    assert_close(out, jnp.swapaxes(ref, 1, 2))
+    assert_lse_close(lse, ref_lse)
+    assert lse.shape == (2, HEADS, 24)
+    dropped = eqx_flash.flash_attn_func(q, k, v, dropout_p=0.5, key=jax.random.key(3))
+    assert not np.allclose(np.asarray(dropped), np.asarray(eqx_flash.flash_attn_func(q, k, v)))
+
+
+def test_bad_input_names_the_argument():
+    q, k, v, cu_q, cu_k, _ = _packed()
+    with pytest.raises(ValueError, match="cu_seqlens_q must rise from 0"):
+        eqx_flash.flash_attn_varlen_func(q, k, v, cu_q.at[-1].set(3), cu_k, 20, 20)
+    with pytest.raises(ValueError, match="past max_seqlen=8"):
+        eqx_flash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 8, 20)
+    with pytest.raises(ValueError, match="same number of sequences"):
+        eqx_flash.flash_attn_varlen_func(q, k, v, cu_q, cu_k[:-1].at[-1].set(k.shape[0]),
+                                         20, 100)
+    with pytest.raises(ValueError, match="window_size must be a pair"):
+        eqx_flash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 20, 20, window_size=3)
+    with pytest.raises(ValueError, match="packed"):
+        eqx_flash.flash_attn_varlen_func(q[None], k, v, cu_q, cu_k, 20, 20)
+    with pytest.raises(ValueError, match="dropout_rate > 0 needs a PRNG key|key"):
+        eqx_flash.flash_attn_func(q[None], k[None], v[None], dropout_p=0.1)
+
+
+def test_no_block_is_spent_across_sequences(monkeypatch):
+    """Eight packed causal sequences of 256: the forward computes only blocks on the
+    diagonal, fewer than causal attention over the whole packed sequence would."""
+    from test_flex import _BlockCounter
+
+    counter = _BlockCounter(monkeypatch)
+    n, length = 8, 256
+    x = jax.random.normal(jax.random.key(0), (n * length, 2, 32))
+    cu = jnp.arange(0, n * length + 1, length, dtype=jnp.int32)
+    varlen = counter.run(lambda: eqx_flash.flash_attn_varlen_func(
+        x, x, x, cu, cu, length, length, causal=True))["forward"]
+    whole = counter.run(lambda: eqx_flash.flash_attention(
+        *(jnp.swapaxes(x, 0, 1),) * 3, causal=True))["forward"]
+    assert 0 < varlen < whole, (varlen, whole)
