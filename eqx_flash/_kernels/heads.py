@@ -52,6 +52,20 @@ class Rows(NamedTuple):
         return self.x.shape[-2]
 
 
+def heads_in_parallel() -> bool:
+    """Whether `per_head` maps the heads with `vmap` rather than looping over them.
+
+    With several devices the batch or heads axis may be sharded, and a loop over a sharded
+    axis would make XLA gather it onto every device; `vmap` keeps the axes parallel so the
+    SPMD partitioner can split them. On a GPU or TPU a loop would run each head's small
+    block products one after another, leaving most of the chip idle; `vmap` makes each
+    block step one batched product over every head (its tiles cost batch x kv_heads times
+    the loop's memory, still independent of the sequence length). A single CPU device runs
+    the loop, which measured fastest there (`benchmarks/tune_blocks.md`).
+    """
+    return jax.device_count() > 1 or jax.default_backend() != "cpu"
+
+
 def per_head(
     fn: HeadKernel, operands: Operands, arrays: tuple[Array, ...],
     whole: tuple[Array, ...] = (), tangents: Operands | None = None,
@@ -62,10 +76,8 @@ def per_head(
     `SHARED` ones reach every head whole. Arrays in `whole` reach `fn` as a third
     argument, one `Rows` each, instead of being sliced per head.
 
-    On one device, a `lax.map` loop: 2-d block matmuls, the fastest form on CPU. With
-    several devices the batch or heads axis may be sharded, and a loop over a sharded axis
-    would make XLA gather it onto every device; there `vmap` keeps the axes parallel so
-    the SPMD partitioner can split them.
+    On one CPU device, a `lax.map` loop: 2-d block matmuls, the fastest form on CPU.
+    Elsewhere, `vmap` (`heads_in_parallel`).
     """
     batch, kv_heads = arrays[0].shape[:2]
     groups = arrays[0].shape[2] if arrays[0].ndim == 5 else 1
@@ -82,7 +94,7 @@ def per_head(
             return fn(head, xs[: len(arrays)], tuple(Rows(x) for x in xs[len(arrays):]))
         return fn(head, xs, tuple(Rows(x, b, h) for x in whole))
 
-    if jax.device_count() > 1:
+    if heads_in_parallel():
         return _vmapped(one, (sliced, d_sliced), arrays + whole)
     flat = tuple(x.reshape(batch * kv_heads, *x.shape[2:]) for x in arrays)
 
