@@ -13,6 +13,7 @@ from ._distributed.sequence_order import to_ring_layout as to_ring_layout
 from ._distributed.sharded import sharded_flash_attention as sharded_flash_attention
 from ._frontends.flash_attn import flash_attn_func as flash_attn_func
 from ._frontends.flash_attn import flash_attn_varlen_func as flash_attn_varlen_func
+from ._frontends.flax_attention import flax_attention as flax_attention
 from ._frontends.jax_nn import dot_product_attention as dot_product_attention
 from ._mods.block_mask import BlockMask as BlockMask
 from ._mods.block_mask import make_block_mask as make_block_mask

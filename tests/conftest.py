@@ -63,3 +63,13 @@ def getkey():
     counter = itertools.count()
     base = jax.random.key(0)
     return lambda: jax.random.fold_in(base, next(counter))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop every compiled program after each test module. An XLA:CPU executable keeps
+    its code mapped until JAX lets it go, and a worker that runs half the suite passes the
+    kernel's limit of 65530 memory maps per process (`vm.max_map_count`): an mmap then
+    fails inside the next compilation and the worker aborts (SIGABRT, no message)."""
+    yield
+    jax.clear_caches()

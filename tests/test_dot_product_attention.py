@@ -139,8 +139,8 @@ def test_errors_name_the_argument():
     for kwargs, error, message in cases:
         with pytest.raises(error, match=message):
             eqx_flash.dot_product_attention(q, k, v, **kwargs)
-    with pytest.raises(ValueError, match="value must have key's shape"):
-        eqx_flash.dot_product_attention(q, k, v[..., :4])
+    with pytest.raises(ValueError, match="value must have key's"):
+        eqx_flash.dot_product_attention(q, k, v[:, :8])
     with pytest.raises(ValueError, match="must all be"):
         eqx_flash.dot_product_attention(q, k[0], v[0])
     with pytest.raises((ValueError, TypeError), match="heads"):

@@ -205,6 +205,17 @@ def test_flash_attn_varlen_func_attends_within_each_sequence(getkey):
         assert_close(out[a:b], alone[0])
 
 
+@covers("flax_attention")
+def test_flax_attention_is_flaxs_attention_fn(getkey):
+    q = jax.random.normal(getkey(), (2, 3, 12, 4, 8))  # Flax: [batch..., length, heads, depth]
+    k, v = (jax.random.normal(getkey(), (2, 3, 12, 4, 8)) for _ in range(2))
+    mask = jnp.tril(jnp.ones((12, 12), bool))[None, None, None]
+    out = eqx_flash.flax_attention(q, k, v, mask=mask, deterministic=True)
+    ref = jax.nn.dot_product_attention(q.reshape(6, 12, 4, 8), k.reshape(6, 12, 4, 8),
+                                       v.reshape(6, 12, 4, 8), mask=mask[0], is_causal=False)
+    assert_close(out, ref.reshape(q.shape))
+
+
 @covers("merge_attention")
 def test_merge_attention_of_two_key_halves(getkey):
     q, k, v = qkv(getkey(), (2, 4, 12, 8), (2, 4, 32, 8))

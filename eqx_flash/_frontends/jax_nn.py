@@ -83,6 +83,25 @@ def dot_product_attention(
             query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
             local_window_size=local_window_size, implementation=implementation,
             return_residual=return_residual)
+    out, lse = attend_in_jax_nn_layout(
+        query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+        query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+        local_window_size=local_window_size)
+    if not isinstance(return_residual, bool):
+        raise TypeError(f"return_residual must be a bool; got return_residual={return_residual!r}")
+    if not return_residual:
+        return out
+    return out, jax.lax.stop_gradient(lse.astype(jnp.asarray(key).dtype))
+
+
+def attend_in_jax_nn_layout(
+    query: ArrayLike, key: ArrayLike, value: ArrayLike, bias: ArrayLike | None,
+    mask: ArrayLike | None, *, scale: Any = None, is_causal: Any = False,
+    query_seq_lengths: ArrayLike | None = None, key_value_seq_lengths: ArrayLike | None = None,
+    local_window_size: Any = None, dropout_rate: Any = 0.0, dropout_key: Any = None,
+) -> tuple[Array, Array]:
+    """`(out, lse)` of `dot_product_attention` (which see), plus eqx_flash's dropout on
+    the weights (the Flax front end's): the lse in jax.nn's layout and float32."""
     q, k, v = (jnp.asarray(x) for x in (query, key, value))
     if q.ndim not in (3, 4) or k.ndim != q.ndim or v.ndim != q.ndim:
         raise ValueError(
@@ -91,14 +110,14 @@ def dot_product_attention(
     unbatched = q.ndim == 3
     if unbatched:
         q, k, v = q[None], k[None], v[None]
-    if k.shape != v.shape:
-        raise ValueError(f"value must have key's shape {k.shape}; got value.shape={v.shape}")
+    if k.shape[:-1] != v.shape[:-1]:  # (its depth may differ, as Flax allows)
+        raise ValueError(f"value must have key's (B, S, K) = {k.shape[:-1]}; got value.shape="
+                         f"{v.shape}")
     if q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
         raise ValueError(f"query must be (B, T, N, H) with key's B={k.shape[0]} and "
                          f"H={k.shape[-1]}; got query.shape={q.shape}, key.shape={k.shape}")
-    for name, flag in (("is_causal", is_causal), ("return_residual", return_residual)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool; got {name}={flag!r}")
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool; got is_causal={is_causal!r}")
     batch, seq_q, _, _ = q.shape
     seq_k = k.shape[1]
     bias_4d, mask_4d = (None if x is None else _as_4d(name, x)
@@ -130,15 +149,14 @@ def dot_product_attention(
     out, lse = flash_attention(
         q, k, v, attn_mask=mask_4d, bias=bias_4d, scale=scale, causal=is_causal,
         window=window,
-        q_segment_ids=q_ids, kv_segment_ids=kv_ids,
+        q_segment_ids=q_ids, kv_segment_ids=kv_ids, dropout_rate=dropout_rate,
+        key=dropout_key,
     )
     out = jnp.swapaxes(out[:, :, :seq_q], 1, 2)  # back to (B, T, N, H)
     lse = jnp.swapaxes(lse[:, :, :seq_q], 1, 2)
     if unbatched:
         out, lse = out[0], lse[0]
-    if not return_residual:
-        return out
-    return out, jax.lax.stop_gradient(lse.astype(k.dtype))
+    return out, lse
 
 
 def _as_4d(name: str, x: ArrayLike) -> Array:
