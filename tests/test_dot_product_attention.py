@@ -157,3 +157,97 @@ def test_small_and_ragged_lengths(seq_q, seq_k, window):
     rows = _attended(lse)
     assert_close(np.where(rows[..., None], out, 0), np.where(rows[..., None], ref, 0))
     assert np.all(np.asarray(out)[~rows] == 0)
+
+
+# The dot-product-attention cases of jax's own tests/nn_test.py, restated against
+# eqx_flash.dot_product_attention (their tolerances; jax.nn's reference implementation).
+# jax's tests run with standard dtype promotion, which jax.nn's bf16/f16 path needs.
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("groups", [1, 2, 4])
+@pytest.mark.parametrize("use_vmap", [False, True])
+def test_jax_nn_test_grouped_query_attention(dtype, groups, use_vmap):
+    batch, seq, heads, dim = 2, 128, 4, 32
+    keys = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(keys[0], (batch, seq, heads, dim), dtype)
+    k, v = (jax.random.normal(keys[i], (batch, seq, heads // groups, dim), dtype)
+            for i in (1, 2))
+    cotangent = jax.random.normal(keys[3], q.shape, dtype)
+    ours = eqx_flash.dot_product_attention
+    if use_vmap:
+        ours = jax.vmap(ours)
+    with jax.numpy_dtype_promotion("standard"):
+        k_rep, v_rep = (jnp.repeat(x, groups, axis=2) for x in (k, v))
+        ref, ref_vjp = jax.vjp(jax.nn.dot_product_attention, q, k_rep, v_rep)
+        d_ref = ref_vjp(cotangent)
+    out, vjp = jax.vjp(ours, q, k, v)
+    dq, dk, dv = vjp(cotangent)
+    d_ref_k, d_ref_v = (g.reshape(batch, seq, heads // groups, groups, dim).sum(axis=3)
+                        for g in d_ref[1:])
+    for got, expected in ((out, ref), (dq, d_ref[0]), (dk, d_ref_k), (dv, d_ref_v)):
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(expected, np.float32),
+                                   atol=0.01, rtol=0.01)
+
+
+@pytest.mark.parametrize("mask_mode", [("bias",), ("causal",), ("padding",), ("custom",),
+                                       ("causal", "padding"), ("custom", "padding"),
+                                       ("bias", "causal"), ("causal", "sliding_window")])
+def test_jax_nn_test_masks(mask_mode):
+    dtype, batch, seq, heads, dim = jnp.bfloat16, 2, 128, 4, 32
+    keys = jax.random.split(jax.random.key(0), 5)
+    q, k, v = (jax.random.normal(keys[i], (batch, seq, heads, dim), dtype) for i in range(3))
+    cotangent = jax.random.normal(keys[3], q.shape, dtype)
+    bias = (jax.random.normal(keys[4], (1, heads, seq, seq), dtype) if "bias" in mask_mode
+            else None)
+    mask = jnp.tril(jnp.ones((seq, seq), bool))[None, None] if "custom" in mask_mode else None
+    kw = dict(is_causal="causal" in mask_mode,
+              local_window_size=(3, 2) if "sliding_window" in mask_mode else None)
+    if "padding" in mask_mode:
+        kw.update(query_seq_lengths=jnp.array([seq // 2, seq // 4], jnp.int32),
+                  key_value_seq_lengths=jnp.array([seq // 4, seq // 2], jnp.int32))
+
+    def run(fn):
+        return jax.vjp(lambda q, k, v, b: fn(q, k, v, b, mask, **kw), q, k, v, bias)
+
+    out, vjp = run(eqx_flash.dot_product_attention)
+    with jax.numpy_dtype_promotion("standard"):
+        ref, ref_vjp = run(jax.nn.dot_product_attention)
+        expected = ref_vjp(cotangent)
+    got = vjp(cotangent)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
+                               atol=0.01, rtol=0.01)
+    for name, g, r in zip(("dq", "dk", "dv", "dbias"), got, expected, strict=True):
+        if r is None:
+            continue
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32),
+                                   atol=0.02, rtol=0.02, err_msg=name)
+
+
+@pytest.mark.parametrize("batch", [1, 16])
+@pytest.mark.parametrize("use_vmap", [False, True])
+def test_jax_nn_test_bias_gradient(batch, use_vmap):
+    dtype, seq, heads, dim = jnp.bfloat16, 128, 4, 32
+    keys = jax.random.split(jax.random.key(0), 2)
+    x = jax.random.normal(keys[0], (batch, seq, heads, dim), dtype)
+    bias = jax.random.normal(keys[1], (batch, heads, seq, seq), dtype)
+    mask = jnp.ones((1, 1, seq), bool)
+
+    def attention(fn, x, bias, mask):
+        return fn(x, x, x, bias, mask, is_causal=False)
+
+    def gradients(fn):
+        one = functools.partial(attention, fn)
+        if use_vmap:
+            one = jax.vmap(one, in_axes=(0, 0, None))
+        value, vjp = jax.vjp(lambda x, b: one(x, b, mask), x, bias)
+        return value, vjp(x)
+
+    out, (dx, dbias) = gradients(eqx_flash.dot_product_attention)
+    with jax.numpy_dtype_promotion("standard"):
+        ref, (ref_dx, ref_dbias) = gradients(jax.nn.dot_product_attention)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
+                               atol=0.01, rtol=0.01)
+    np.testing.assert_allclose(np.asarray(dbias, np.float32), np.asarray(ref_dbias, np.float32),
+                               atol=0.1, rtol=0.1)
+    np.testing.assert_allclose(np.asarray(dx, np.float32), np.asarray(ref_dx, np.float32),
+                               atol=0.1, rtol=0.1)
