@@ -73,7 +73,6 @@ def flax_attention(
     if rate and dropout_rng is None:
         raise ValueError(f"dropout_rng is needed for dropout_rate={dropout_rate} when not "
                          "deterministic")
-    query, key, value = (jnp.asarray(x) for x in (query, key, value))
     batch_shape = query.shape[:-3]
     if len(batch_shape) > 1:  # several batch axes: one, as Flax does for jax.nn
         def flat(x: Any) -> Any:

@@ -83,12 +83,12 @@ def dot_product_attention(
             query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
             local_window_size=local_window_size, implementation=implementation,
             return_residual=return_residual)
+    if not isinstance(return_residual, bool):
+        raise TypeError(f"return_residual must be a bool; got return_residual={return_residual!r}")
     out, lse = attend_in_jax_nn_layout(
         query, key, value, bias, mask, scale=scale, is_causal=is_causal,
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
         local_window_size=local_window_size)
-    if not isinstance(return_residual, bool):
-        raise TypeError(f"return_residual must be a bool; got return_residual={return_residual!r}")
     if not return_residual:
         return out
     return out, jax.lax.stop_gradient(lse.astype(jnp.asarray(key).dtype))
@@ -133,14 +133,13 @@ def attend_in_jax_nn_layout(
     aligned = is_causal or window is not None
     extra_q = seq_k - seq_q if aligned and seq_k > seq_q else 0
     extra_k = seq_q - seq_k if aligned and seq_q > seq_k else 0
-    q_ids = _segment_ids("query_seq_lengths", query_seq_lengths, batch, seq_q, extra_q,
-                         _PADDED_QUERY)
-    kv_ids = _segment_ids("key_value_seq_lengths", key_value_seq_lengths, batch, seq_k,
-                          extra_k, _PADDED_KEY)
-    if (q_ids is None) != (kv_ids is None):  # segment ids go in pairs
-        q_ids = _VALID * jnp.ones((batch, seq_q + extra_q), jnp.int32) if q_ids is None else q_ids
-        kv_ids = (_VALID * jnp.ones((batch, seq_k + extra_k), jnp.int32) if kv_ids is None
-                  else kv_ids)
+    q_ids = kv_ids = None  # segment ids go in pairs: both, or neither when nothing is padded
+    if (query_seq_lengths is not None or key_value_seq_lengths is not None or extra_q
+            or extra_k):
+        q_ids = _segment_ids("query_seq_lengths", query_seq_lengths, batch, seq_q, extra_q,
+                             _PADDED_QUERY)
+        kv_ids = _segment_ids("key_value_seq_lengths", key_value_seq_lengths, batch, seq_k,
+                              extra_k, _PADDED_KEY)
     q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))  # (B, heads, seq, H)
     q = _pad(q, 2, extra_q)
     k, v = _pad(k, 2, extra_k), _pad(v, 2, extra_k)
@@ -170,11 +169,9 @@ def _as_4d(name: str, x: ArrayLike) -> Array:
 
 
 def _segment_ids(name: str, lengths: ArrayLike | None, batch: int, seq: int, extra: int,
-                 padded_id: int) -> Array | None:
-    """Ids `(B, seq + extra)`: `_VALID` below the length, `padded_id` from it on and in
-    the `extra` positions added for alignment; None if there is neither."""
-    if lengths is None and not extra:
-        return None
+                 padded_id: int) -> Array:
+    """Ids `(B, seq + extra)`: `_VALID` below the length (all of `seq` if None),
+    `padded_id` from it on and in the `extra` positions added for alignment."""
     valid = jnp.full((batch,), seq, jnp.int32)
     if lengths is not None:
         arr = jnp.asarray(lengths)
