@@ -19,10 +19,7 @@ compare within one run).
 import argparse
 import functools
 import json
-import random
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,6 +28,9 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _interleave import interleaved_medians  # noqa: E402
+
 import eqx_flash  # noqa: E402
 
 MODES = ("fwd", "fwd+bwd", "jvp")
@@ -66,7 +66,8 @@ def flops(mode: str, causal: bool, batch: int, heads: int, seq: int, dim: int) -
 def run(seqs, dtypes, rounds, batch, heads, dim, modes=MODES) -> list[dict[str, Any]]:
     """Measure every cell; returns one record per (implementation, dtype, seq, causal,
     mode) with `ms`, `tflops` and `temp_mib`, or `error`."""
-    cells: dict[tuple, dict[str, Any]] = {}
+    records: list[dict[str, Any]] = []
+    calls: dict[str, Callable[[], Any]] = {}  # by index into `records`
     for dtype in dtypes:
         for seq in seqs:
             keys = jax.random.split(jax.random.key(seq), 3)
@@ -82,30 +83,17 @@ def run(seqs, dtypes, rounds, batch, heads, dim, modes=MODES) -> list[dict[str, 
                             analysis = compiled.memory_analysis()
                             cell["temp_mib"] = (None if analysis is None else
                                                 analysis.temp_size_in_bytes / 2**20)
-                            jax.block_until_ready(compiled(*args))
-                            cell.update(_call=compiled, _args=args, _times=[])
+                            jax.block_until_ready(compiled(*args))  # the warm-up, too
+                            calls[str(len(records))] = functools.partial(compiled, *args)
                         except Exception as error:  # noqa: BLE001 - report, never refuse
                             cell["error"] = f"{type(error).__name__}: {str(error)[:60]}"
-                        cells[tuple(cell[k] for k in ("implementation", "dtype", "seq",
-                                                      "causal", "mode"))] = cell
-    live = [c for c in cells.values() if "_call" in c]
-    for _ in range(rounds):
-        random.shuffle(live)
-        for cell in live:
-            start = time.perf_counter()
-            jax.block_until_ready(cell["_call"](*cell["_args"]))
-            cell["_times"].append(time.perf_counter() - start)
-    records = []
-    for cell in cells.values():
-        times = cell.pop("_times", None)
-        cell.pop("_call", None)
-        cell.pop("_args", None)
-        if times:
-            seconds = statistics.median(times)
-            cell["ms"] = seconds * 1e3
-            cell["tflops"] = flops(cell["mode"], cell["causal"], batch, heads, cell["seq"],
-                                   dim) / seconds / 1e12
-        records.append(cell)
+                        records.append(cell)
+    medians = interleaved_medians(calls, rounds, jax.block_until_ready, warm_up=False)
+    for index, seconds in medians.items():
+        cell = records[int(index)]
+        cell["ms"] = seconds * 1e3
+        cell["tflops"] = flops(cell["mode"], cell["causal"], batch, heads, cell["seq"],
+                               dim) / seconds / 1e12
     return records
 
 

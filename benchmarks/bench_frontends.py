@@ -10,16 +10,17 @@ faster).
 """
 
 import argparse
-import random
-import statistics
+import functools
 import sys
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _interleave import interleaved_medians  # noqa: E402
+
 import eqx_flash  # noqa: E402
 
 IMPLEMENTATIONS = {"eqx_flash": eqx_flash.dot_product_attention,
@@ -50,18 +51,10 @@ def main() -> None:
             calls[f"fwd+bwd{tag} {name}"] = _grad(fn, causal)
             calls[f"fwd{tag} {name}"] = jax.jit(lambda q, k, v, fn=fn, c=causal: fn(
                 q, k, v, is_causal=c))
-    for fn in calls.values():
-        jax.block_until_ready(fn(q, k, v))
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    order = list(calls)
-    for r in range(args.rounds):
-        random.shuffle(order)
-        for name in order:
-            start = time.perf_counter()
-            jax.block_until_ready(calls[name](q, k, v))
-            times[name].append(time.perf_counter() - start)
-        print(f"round {r + 1}/{args.rounds} done", flush=True)
-    median = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    seconds = interleaved_medians({name: functools.partial(fn, q, k, v)
+                                   for name, fn in calls.items()}, args.rounds,
+                                  jax.block_until_ready)
+    median = {name: t * 1e3 for name, t in seconds.items()}
     print(f"\nseq {args.seq}, {args.heads} heads, dim {args.dim}, {args.rounds} rounds\n")
     print("| configuration | eqx_flash ms | jax.nn xla ms | jax.nn / eqx_flash |")
     print("|---|---:|---:|---:|")

@@ -10,16 +10,17 @@ shuffled order; prints medians and the ratios.
 """
 
 import argparse
-import random
-import statistics
+import functools
 import sys
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _interleave import interleaved_medians  # noqa: E402
+
 import eqx_flash  # noqa: E402
 
 
@@ -70,19 +71,10 @@ def main() -> None:
         "fwd one call": (jax.jit(eqx_flash.flash_attention), (q, k, v)),
         "fwd merge of 4 parts": (_merge_of_parts(4), (q, k, v)),
     }
-    for fn, fn_args in calls.values():
-        jax.block_until_ready(fn(*fn_args))
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    order = list(calls)
-    for r in range(args.rounds):
-        random.shuffle(order)
-        for name in order:
-            fn, fn_args = calls[name]
-            start = time.perf_counter()
-            jax.block_until_ready(fn(*fn_args))
-            times[name].append(time.perf_counter() - start)
-        print(f"round {r + 1}/{args.rounds} done", flush=True)
-    median = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    seconds = interleaved_medians({name: functools.partial(fn, *fn_args)
+                                   for name, (fn, fn_args) in calls.items()}, args.rounds,
+                                  jax.block_until_ready)
+    median = {name: t * 1e3 for name, t in seconds.items()}
     print(f"\nseq {args.seq}, {args.heads} heads, dim {args.dim}, {args.rounds} rounds\n")
     print("| configuration | median ms | ratio |\n|---|---:|---:|")
     for name, base in (("fwd+bwd sinks", "fwd+bwd"), ("fwd+bwd causal sinks", "fwd+bwd causal"),

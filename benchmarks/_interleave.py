@@ -1,0 +1,27 @@
+"""Interleaved timing, shared by the benchmark scripts: every call once per round, in a
+shuffled order, so that a shared machine's drift hits every configuration alike."""
+
+import random
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def interleaved_medians(calls: dict[str, Callable[[], Any]], rounds: int,
+                        block: Callable[[Any], Any], warm_up: bool = True) -> dict[str, float]:
+    """Median seconds of each thunk in `calls` over `rounds` rounds, after one warm-up
+    call each (unless the caller ran them already); `block` waits for a result
+    (`jax.block_until_ready`)."""
+    for call in calls.values() if warm_up else ():
+        block(call())
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    order = list(calls)
+    for r in range(rounds):
+        random.shuffle(order)
+        for name in order:
+            start = time.perf_counter()
+            block(calls[name]())
+            times[name].append(time.perf_counter() - start)
+        print(f"round {r + 1}/{rounds} done", flush=True)
+    return {name: statistics.median(t) for name, t in times.items()}
