@@ -177,15 +177,17 @@ class _Packing(eqx.Module):
         offset = (cu_k[1:] - cu_k[:-1]) - (cu_q[1:] - cu_q[:-1])
         return cls(q_seq, q_pos, k_seq, k_pos, offset)
 
-    def at(self, q_idx: Array, kv_idx: Array) -> tuple[Array, Array, Array]:
-        """`(same sequence, query position aligned on the keys', key position)` of the
-        pairs; indices past the ends (blocks' padding, masked anyway) are clipped."""
+    def at(self, q_idx: Array, kv_idx: Array) -> tuple[Array, Array, Array, Array]:
+        """`(query's sequence, same sequence, query position aligned on the keys', key
+        position)` of the pairs; indices past the ends (blocks' padding, masked anyway)
+        are clipped."""
         def take(x: Array, i: Array) -> Array:
             return jnp.take(x, i, mode="clip")
 
         seq = take(self.q_seq, q_idx)
         same = seq == take(self.k_seq, kv_idx)
-        return same, take(self.q_pos, q_idx) + take(self.offset, seq), take(self.k_pos, kv_idx)
+        return (seq, same, take(self.q_pos, q_idx) + take(self.offset, seq),
+                take(self.k_pos, kv_idx))
 
 
 class _WithinSequence(eqx.Module):
@@ -198,7 +200,7 @@ class _WithinSequence(eqx.Module):
 
     def __call__(self, b, h, q_idx, kv_idx):
         del b, h
-        same, p, j = self.packing.at(q_idx, kv_idx)
+        _, same, p, j = self.packing.at(q_idx, kv_idx)
         if self.causal:
             same = same & (j <= p)
         if self.window is not None:
@@ -219,9 +221,6 @@ class _AlibiWithinSequence(eqx.Module):
 
     def __call__(self, s, b, h, q_idx, kv_idx):
         del b
-        _, p, j = self.packing.at(q_idx, kv_idx)
-        if self.slopes.ndim == 1:
-            slope = self.slopes[h]
-        else:
-            slope = self.slopes[jnp.take(self.packing.q_seq, q_idx, mode="clip"), h]
+        seq, _, p, j = self.packing.at(q_idx, kv_idx)
+        slope = self.slopes[h] if self.slopes.ndim == 1 else self.slopes[seq, h]
         return s - slope.astype(s.dtype) * jnp.abs(p - j).astype(s.dtype)
