@@ -1,6 +1,9 @@
 """Forward-mode AD (`jax.jvp`, `jax.linearize`, `jax.jacfwd`) through flash attention,
 checked against forward mode through `plain_attention`; reverse mode still runs the
-hand-written backward; second-order uses raise a clear error."""
+hand-written backward; third-order uses raise a clear error (second order:
+`test_second_order.py`)."""
+
+import functools
 
 import equinox as eqx
 import jax
@@ -20,7 +23,7 @@ from eqx_flash import (
 )
 from eqx_flash.testing import TOLERANCES, AttentionInputs, attention_inputs, check_attention
 
-SECOND_ORDER = "second-order derivative of flash attention"
+THIRD_ORDER = "third-order derivative of flash attention"
 
 
 def _inputs(seed=0, *, batch=(2,), heads=4, kv_heads=2, seq_q=37, seq_k=53, dim=8, dim_v=8,
@@ -249,48 +252,52 @@ def test_scm_pattern_gradient_matches_plain():
                                expected.attention.query_proj.weight, atol=1e-4)
 
 
-def test_loss_on_the_tangent_raises_clearly():
-    """A gradient through the jvp tangent needs a second-order term the kernels do not
-    compute: an error, never a silently wrong gradient."""
+def test_loss_on_the_tangent_is_differentiated():
+    """A gradient through the jvp tangent (no stop_gradient) needs the second-order term:
+    it is computed (`_autodiff.second_order`), as forward mode through plain_attention
+    gives it; and differentiating the tangent along another tangent is linear."""
     inputs = _inputs(causal=True)
-    flash, _ = _plain_and_flash(causal=True)
+    flash_fn, plain_fn = _plain_and_flash(causal=True)
 
-    def loss(q):
-        _, (d_out, _) = jax.jvp(lambda q: flash(q, inputs.k, inputs.v), (q,), (q,))
+    def loss(fn, q):
+        _, (d_out, _) = jax.jvp(lambda q: fn(q, inputs.k, inputs.v), (q,), (q,))
         return jnp.sum(d_out**2)
 
-    with pytest.raises(NotImplementedError, match=SECOND_ORDER):
-        jax.grad(loss)(inputs.q)
-    with pytest.raises(NotImplementedError, match=SECOND_ORDER):
-        jax.jit(jax.grad(loss))(inputs.q)
+    got = jax.jit(jax.grad(functools.partial(loss, flash_fn)))(inputs.q)
+    assert_close(got, jax.grad(functools.partial(loss, plain_fn))(inputs.q), kind="grad",
+                 scale=4)
 
-    # ...but differentiating the tangent along another tangent direction is linear: fine.
     def tangent_of(fn, d):
         return jax.jvp(lambda q: fn(q, inputs.k, inputs.v)[0], (inputs.q,), (d,))[1]
 
     d = jnp.ones_like(inputs.q)
-    flash_fn, plain_fn = _plain_and_flash(causal=True)
     got = jax.jvp(lambda d: tangent_of(flash_fn, d), (d,), (inputs.q,))[1]
     expected = jax.jvp(lambda d: tangent_of(plain_fn, d), (d,), (inputs.q,))[1]
     assert_close(got, expected, kind="grad")
 
 
-@pytest.mark.parametrize("how", ["hessian", "grad_of_grad", "jvp_of_jvp"])
-def test_second_order_raises_clearly(how):
+@pytest.mark.parametrize("how", ["grad_of_hvp", "jvp_of_hessian", "jvp_of_jvp_of_jvp"])
+def test_third_order_raises_clearly(how):
     inputs = _inputs(batch=(), heads=1, kv_heads=1, seq_q=3, seq_k=4, dim=2, dim_v=2)
     k, v = inputs.k, inputs.v
 
     def f(q):
         return jnp.sum(flash_attention(q, k, v, block_q=2, block_k=2)[0] ** 2)
 
+    def hvp(q):
+        return jax.jvp(jax.grad(f), (q,), (q,))[1]
+
+    def jvp2(q):
+        return jax.jvp(lambda q: jax.jvp(f, (q,), (q,))[1], (q,), (q,))[1]
+
     q = inputs.q
-    with pytest.raises(NotImplementedError, match=SECOND_ORDER):
-        if how == "hessian":
-            jax.hessian(f)(q)
-        elif how == "grad_of_grad":
-            jax.grad(lambda q: jnp.sum(jax.grad(f)(q) ** 2))(q)
+    with pytest.raises(NotImplementedError, match=THIRD_ORDER):
+        if how == "grad_of_hvp":
+            jax.grad(lambda q: jnp.sum(hvp(q) ** 2))(q)
+        elif how == "jvp_of_hessian":
+            jax.jvp(jax.hessian(f), (q,), (q,))
         else:
-            jax.jvp(lambda q: jax.jvp(f, (q,), (q,))[1], (q,), (q,))
+            jax.jvp(jvp2, (q,), (q,))
 
 
 def test_ring_forward_mode_raises_clearly():

@@ -16,8 +16,9 @@ The differentiable inputs are q, k, v and the differentiable operands
 arrays); everything else rides along as constants. Only the non-zero tangents enter the
 linear primitive (a transpose must see every linear operand undefined), so gradients
 with respect to a subset of the inputs work, and the backward kernel accumulates only
-the cotangents that are asked for. The residuals pass through `stop_gradient`, with one
-exception that guards second-order derivatives (`second_order`).
+the cotangents that are asked for. The linear primitive's own derivative along its
+residuals is the second-order primitive (`second_order`), so the rule is exact to second
+order (Hessian-vector products, `jax.hessian`, gradients of gradients and of tangents).
 """
 
 import functools
@@ -32,7 +33,7 @@ from .._core.operands import Operands, combine
 from .._kernels.split_k import split_k_applies
 from .._semantics.masking import valid_rows
 from .linear import linear
-from .second_order import second_order_guard
+from .residuals import Residuals
 
 
 def _is_symbolic_zero(t: Any) -> bool:
@@ -75,12 +76,8 @@ def with_custom_derivatives(attention: Callable[..., Any]) -> Callable[..., Any]
         nonzero = tuple(t for t, w in zip(leaves, which, strict=True) if w)
         if not nonzero:  # only constants were perturbed: they get no derivative
             return (out, lse, max_score), (jnp.zeros_like(out), jnp.zeros_like(lse), d_max)
-        residuals = jax.tree.map(jax.lax.stop_gradient, (q, k, v, out, lse, diff, const))
-        # Exactly zero; its derivative with respect to the differentiable inputs, out and
-        # lse raises (`second_order`). As the last residual it is the one that keeps its
-        # derivative (`linear._linear_jvp`).
-        z = second_order_guard(lse.dtype, *jax.tree.leaves((q, k, v, diff)), out, lse)
-        d_out, d_lse = linear(cfg, which, (*residuals, z), nonzero)
+        residuals = Residuals(q, k, v, out, lse, diff, const)
+        d_out, d_lse = linear(cfg, which, residuals, nonzero)
         return (out, lse, max_score), (d_out, d_lse, d_max)
 
     return wrapped

@@ -2,19 +2,20 @@
 
 `linear_p` does what `jax.custom_derivatives.linear_call(tangent_fn, backward_fn,
 residuals, tangents)` does, plus a batching rule (linear_call has none, so `jax.jacfwd`,
-`jax.hessian` and `vmap` of a gradient would fail) and zero handling in its JVP.
+`jax.hessian` and `vmap` of a gradient would fail), zero handling, and a JVP rule with
+respect to its residuals (linear_call requires they carry no tangent).
 
-Operands: the residuals `(q, k, v, out, lse, diff, const, z)` flattened — `diff` and
-`const` the differentiable and the constant `Operands`, `z` the second-order guard
-(`second_order`) — then the linear inputs. The differentiable inputs are `(q, k, v,
-diff)`, and `which` marks their leaves with a non-zero tangent. `transposed=False` maps
-those tangents to `(d_out, d_lse)` with the tangent kernel; `transposed=True` maps
-cotangents `(d_out, d_lse)` to those of the marked leaves with the backward kernel,
-which accumulates only those (a constant bias or frozen score_mod costs nothing). Each
-is the other's transpose.
+Operands: the `Residuals` flattened, then the linear inputs. `which` marks the
+differentiable leaves with a non-zero tangent. `transposed=False` maps those tangents to
+`(d_out, d_lse)` with the tangent kernel; `transposed=True` maps cotangents `(d_out,
+d_lse)` to those of the marked leaves with the backward kernel, which accumulates only
+those (a constant bias or frozen score_mod costs nothing). Each is the other's transpose.
+
+Its JVP along the differentiable residuals is the second-order primitive
+(`second_order`): the saved `out` and `lse` are functions of those, so their own
+tangents are not read — `second_order` differentiates through them. The constant
+operands have no floating leaves, hence no tangents.
 """
-
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,48 +24,24 @@ from jax.interpreters import ad, batching, mlir
 from jaxtyping import Array
 
 from .._core.config import KernelConfig
-from .._core.operands import Operands, combine, replace
-from .._kernels.backward import backward, backward_statistics
-from .._kernels.tangent import tangent
 from .batching import batch_by_map
-from .second_order import SECOND_ORDER_MESSAGE
-
-
-def _differentiable(residuals: tuple[Any, ...]) -> tuple[Any, ...]:
-    """The differentiable inputs `(q, k, v, diff)` among the residuals."""
-    q, k, v, _, _, diff = residuals[:6]
-    return q, k, v, diff
-
-
-def _zero_tangents_filled(d_arrays: Any, arrays: Any) -> Any:
-    """A score_mod's arrays are differentiated together: zeros where a tangent is None,
-    or None when all are."""
-    if all(t is None for t in jax.tree.leaves(d_arrays, is_leaf=lambda t: t is None)):
-        return None
-    return jax.tree.map(lambda t, x: t if t is not None or x is None else jnp.zeros_like(x),
-                        d_arrays, arrays, is_leaf=lambda t: t is None)
+from .guard import THIRD_ORDER_MESSAGE, derivative_guard, is_zero_tangent
+from .residuals import (
+    Residuals,
+    apply_backward,
+    apply_tangent,
+    differentiable_leaves,
+    marked,
+)
+from .second_order import second_order
 
 
 def _linear_fn(*args, cfg: KernelConfig, which, res_tree, transposed: bool):
-    residuals = jax.tree.unflatten(res_tree, args[: res_tree.num_leaves])
+    res = jax.tree.unflatten(res_tree, args[: res_tree.num_leaves])
     linear = args[res_tree.num_leaves :]
-    q, k, v, out, lse, diff, const, _ = residuals  # last: the guard `z`
-    ops = combine(diff, const)
-    diff_tree = jax.tree.structure(_differentiable(residuals))
     if transposed:
-        d_out, d_lse = linear
-        safe_lse, delta = backward_statistics(out, lse, d_out, d_lse)
-        wanted = jax.tree.unflatten(diff_tree, which)[3]
-        grads = backward(cfg, q, k, v, ops, safe_lse, delta, d_out, wanted)
-        leaves = diff_tree.flatten_up_to(grads)
-        return [g for g, w in zip(leaves, which, strict=True) if w]
-    # Zero tangents stay None: the kernel skips what they would cost.
-    it = iter(linear)
-    dq, dk, dv, d_diff = jax.tree.unflatten(diff_tree, [next(it) if w else None for w in which])
-    if isinstance(d_diff, Operands) and d_diff.score_mod_arrays is not None:
-        d_diff = replace(d_diff, score_mod_arrays=_zero_tangents_filled(
-            d_diff.score_mod_arrays, diff.score_mod_arrays))
-    return list(tangent(cfg, q, k, v, ops, out, lse, dq, dk, dv, d_diff))
+        return apply_backward(cfg, res, which, linear)
+    return apply_tangent(cfg, res, which, linear)
 
 
 linear_p = Primitive("eqx_flash_attention_linear")
@@ -75,41 +52,42 @@ mlir.register_lowering(linear_p, mlir.lower_fun(_linear_fn, multiple_results=Tru
 
 def _linear_abstract_eval(*args, cfg, which, res_tree, transposed):
     del cfg
-    residuals = jax.tree.unflatten(res_tree, args[: res_tree.num_leaves])
+    res = jax.tree.unflatten(res_tree, args[: res_tree.num_leaves])
     # The residuals' own avals: same shapes and dtypes, and under shard_map the same
     # varying axes.
     if transposed:
-        leaves = jax.tree.leaves(_differentiable(residuals))
-        return [x for x, w in zip(leaves, which, strict=True) if w]
-    return list(residuals[3:5])  # out, lse
+        return marked(differentiable_leaves(res), which)
+    return [res.out, res.lse]
 
 
 linear_p.def_abstract_eval(_linear_abstract_eval)
 
 
-def _is_zero(t) -> bool:
-    return type(t) is ad.Zero or jnp.dtype(t.dtype) == jax.dtypes.float0
-
-
-def _linear_jvp(primals, tangents, **params):
-    num_res = params["res_tree"].num_leaves
-    # The residuals pass through stop_gradient, except the last, `z`: zero, with a
-    # derivative that raises wherever it is used (`second_order`).
-    if not all(_is_zero(t) for t in tangents[: num_res - 1]):
-        raise NotImplementedError(SECOND_ORDER_MESSAGE)
+def _linear_jvp(primals, tangents, *, cfg, which, res_tree, transposed):
+    params = dict(cfg=cfg, which=which, res_tree=res_tree, transposed=transposed)
+    n = res_tree.num_leaves
     out = linear_p.bind(*primals, **params)
-    lin_t = tangents[num_res:]
-    z_t = tangents[num_res - 1]
-    if all(type(t) is ad.Zero for t in lin_t):
-        if _is_zero(z_t):
-            return out, [ad.Zero(jax.typeof(x).to_tangent_aval()) for x in out]
-        out_t = [jnp.zeros_like(x) for x in out]
-    else:
-        lin_t = [ad.instantiate_zeros(t) for t in lin_t]
-        out_t = linear_p.bind(*primals[:num_res], *lin_t, **params)
-    if not _is_zero(z_t):
-        out_t = [t + z_t.astype(t.dtype) for t in out_t]
-    return out, out_t
+    terms = []
+    lin, lin_t = primals[n:], tangents[n:]
+    if not all(type(t) is ad.Zero for t in lin_t):  # linear in its linear inputs
+        lin_t = [jnp.zeros_like(x) if type(t) is ad.Zero else t
+                 for t, x in zip(lin_t, lin, strict=True)]
+        terms.append(linear_p.bind(*primals[:n], *lin_t, **params))
+    res = jax.tree.unflatten(res_tree, primals[:n])
+    # (By position: the tangents may hold symbolic zeros, which are not leaves.)
+    positions = differentiable_leaves(jax.tree.unflatten(res_tree, range(n)))
+    res_t = [tangents[i] for i in positions]
+    moved = tuple(not is_zero_tangent(t) for t in res_t)
+    if any(moved):  # along its residuals: second order
+        stopped = jax.tree.map(jax.lax.stop_gradient, res)
+        z = derivative_guard(THIRD_ORDER_MESSAGE, res.lse.dtype,
+                             *marked(differentiable_leaves(res), moved))
+        mode = "backward" if transposed else "tangent"
+        terms.append(second_order(cfg, mode, which, moved, (stopped, z), lin,
+                                  marked(res_t, moved)))
+    if not terms:
+        return out, [ad.Zero(jax.typeof(x).to_tangent_aval()) for x in out]
+    return out, [sum(ts[1:], ts[0]) for ts in zip(*terms, strict=True)]
 
 
 def _linear_transpose(cts, *args, **params):
@@ -138,9 +116,10 @@ ad.primitive_transposes[linear_p] = _linear_transpose
 batching.primitive_batchers[linear_p] = batch_by_map(linear_p)
 
 
-def linear(cfg: KernelConfig, which: tuple[bool, ...], residuals: tuple[Any, ...],
+def linear(cfg: KernelConfig, which: tuple[bool, ...], residuals: Residuals,
            nonzero: tuple[Array, ...]) -> list[Array]:
     """`(d_out, d_lse)` for the non-zero tangents `nonzero` (the leaves `which` marks)."""
     flat, res_tree = jax.tree.flatten(residuals)
     return linear_p.bind(*flat, *nonzero, cfg=cfg, which=which, res_tree=res_tree,
                          transposed=False)
+

@@ -1,97 +1,177 @@
-"""The guard against second-order derivatives that the derivative rules cannot give.
+"""The second-order primitive: derivatives of the tangent and backward kernels along a
+direction of their residuals, blockwise.
 
-The linear primitive (`linear`) requires its residuals to carry no tangents (its
-transpose is a fixed kernel), so the rule (`derivatives`) passes them through
-`stop_gradient`. That is exact for first-order forward and reverse mode and for the
-sCM/MeanFlow pattern (`jax.grad` of a loss on the primal output of a `jax.jvp`, with the
-tangent output under `stop_gradient`): there the derivative of the tangent with respect
-to the residuals is never used. Where it would be used it would be silently dropped, so
-it is *poisoned* instead: one more residual, `second_order_guard(...)`, is zero and keeps
-its derivative, `_unsupported_p`, a primitive that raises `SECOND_ORDER_MESSAGE` when it
-is evaluated, compiled or transposed; the linear primitive's JVP adds that derivative to
-its output tangents (forward or transposed). First-order programs contain no trace of
-it. JAX's linearisation removes dead code before transposing, so the poison only fires
-when a second-order term actually reaches an output: a loss on the tangent output
-itself, forward-over-forward (`jacfwd(jacfwd)`), forward-over-reverse (`hessian`) or
-reverse-over-reverse.
+Write `F(x) = (out, lse)` for the attention of the differentiable inputs `x` (q, k, v
+and the differentiable operands), `T(x; u) = F'(x) u` for the tangent kernel and
+`B(x; c) = F'(x)^T c` for the backward kernel (`residuals`). Differentiating either
+along a direction `w` of `x` — with the saved `out` and `lse` moving too, by `T(x; w)`,
+since they are `F(x)` — gives, with `H_c = sum_i c_i F_i''(x)` (a symmetric matrix):
+
+    T2(x; u, w) = d/dt T(x + t w; u)  = [u^T F_i''(x) w]_i     (mode "tangent")
+    B2(x; c, w) = d/dt B(x + t w; c)  = H_c w                  (mode "backward")
+
+`T2` is bilinear in `(u, w)` and `B2` in `(c, w)`, and by the symmetry of `F''` their
+transposes are the same two maps again:
+
+    T2 in u:  c -> B2(x; c, w)        T2 in w:  c -> B2(x; c, u)
+    B2 in c:  u -> T2(x; u, w)        B2 in w:  v -> B2(x; c, v)
+
+so `second_p` with these transposes makes every second-order composition of JAX work
+(`jax.jvp` of `jax.grad` evaluates `B2`, `jax.grad` of `jax.grad` transposes it, a loss
+on a jvp tangent transposes `T2`, `jax.jacfwd` of `jax.jacfwd` evaluates `T2`), and
+each is evaluated as `jax.jvp` of the first-order kernel: the kernels are plain JAX
+loops over blocks, and forward mode through a loop carries the tangents in the loop's
+carry, so memory stays linear in the sequence, like the kernels'. The linear
+primitive's JVP rule (`linear`) binds it; it is exact to second order, and its own
+residuals pass through `stop_gradient` beyond that, guarded (`guard`): a third-order
+term raises `THIRD_ORDER_MESSAGE`, never a silently missing term.
+
+Operands: the residuals `(Residuals, z)` flattened (`z` the guard), then `a` — `u`'s
+marked leaves (`wa`) in mode "tangent", `c = (d_out, d_lse)` in mode "backward" — then
+`w`'s marked leaves (`wb`). Outputs: `(d_out, d_lse)` in mode "tangent", the marked
+(`wa`) leaves' cotangents in mode "backward".
 """
 
-import functools
+from collections.abc import Sequence
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
-from jax import core
-from jax.custom_derivatives import SymbolicZero
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
+from jaxtyping import Array
 
-SECOND_ORDER_MESSAGE = (
-    "eqx_flash: this needs a second-order derivative of flash attention (a derivative of "
-    "its jvp tangent, or of its gradient, with respect to q, k, v, a bias, ALiBi slopes "
-    "or a score_mod's arrays), which is not "
-    "supported. First-order jax.jvp/jax.linearize/jax.jacfwd/jax.grad work, and so does "
-    "jax.grad of a loss on the primal output of a jax.jvp when the tangent output enters "
-    "the loss only through jax.lax.stop_gradient (the sCM/MeanFlow pattern). Wrap the "
-    "jvp tangent in jax.lax.stop_gradient, or use eqx_flash.plain_attention (which "
-    "materialises the logits) where you need higher-order derivatives."
+from .._core.config import KernelConfig
+from .batching import batch_by_map
+from .guard import THIRD_ORDER_MESSAGE, add_guard_tangent, is_zero_tangent
+from .residuals import (
+    Residuals,
+    apply_backward,
+    apply_tangent,
+    differentiable_leaves,
+    marked,
+    with_differentiable,
 )
 
+Mode = Literal["tangent", "backward"]
 
 
-def _unsupported(*args, dtype):
-    del args, dtype
-    raise NotImplementedError(SECOND_ORDER_MESSAGE)
+def _num_a(mode: Mode, wa: Sequence[bool]) -> int:
+    return sum(wa) if mode == "tangent" else 2
 
 
-_unsupported_p = Primitive("eqx_flash_second_order_unsupported")
-_unsupported_p.def_impl(_unsupported)
-_unsupported_p.def_abstract_eval(
-    lambda *args, dtype: core.ShapedArray((), dtype)
-)
+def _split(args: Sequence[Any], res_tree, mode: Mode, wa) -> tuple[Residuals, Any, list, list]:
+    """`(residuals, z, a, w)` from the flat operands."""
+    n = res_tree.num_leaves
+    res, z = jax.tree.unflatten(res_tree, list(args[:n]))
+    lin = list(args[n:])
+    na = _num_a(mode, wa)
+    return res, z, lin[:na], lin[na:]
 
 
-def _unsupported_lowering(ctx, *args, dtype):
-    del ctx, args, dtype
-    raise NotImplementedError(SECOND_ORDER_MESSAGE)
+def _second_fn(*args, cfg: KernelConfig, res_tree, mode: Mode, wa, wb) -> list[Array]:
+    res, _, a, w = _split(args, res_tree, mode, wa)
+    # out and lse move along w by the first derivative.
+    d_out, d_lse = apply_tangent(cfg, res, wb, w)
+
+    def first_order(x_w, out, lse):
+        moved = with_differentiable(res, wb, x_w)._replace(out=out, lse=lse)
+        if mode == "tangent":
+            return apply_tangent(cfg, moved, wa, a)
+        return apply_backward(cfg, moved, wa, a)
+
+    primals = (marked(differentiable_leaves(res), wb), res.out, res.lse)
+    tangents = (list(w), d_out.astype(res.out.dtype), d_lse.astype(res.lse.dtype))
+    return list(jax.jvp(first_order, primals, tangents)[1])
 
 
-def _unsupported_transpose(ct, *args, dtype):
-    del dtype
-    if type(ct) is ad.Zero:
+second_p = Primitive("eqx_flash_attention_second_order")
+second_p.multiple_results = True
+second_p.def_impl(_second_fn)
+mlir.register_lowering(second_p, mlir.lower_fun(_second_fn, multiple_results=True))
+
+
+def _second_abstract_eval(*args, cfg, res_tree, mode, wa, wb) -> list[Any]:
+    del cfg, wb
+    res, _, _, _ = _split(args, res_tree, mode, wa)
+    if mode == "tangent":
+        return [res.out, res.lse]
+    return marked(differentiable_leaves(res), wa)
+
+
+second_p.def_abstract_eval(_second_abstract_eval)
+
+
+def _instantiate(ts: Sequence[Any], like: Sequence[Any]) -> list[Any]:
+    return [jnp.zeros_like(x) if type(t) is ad.Zero else t
+            for t, x in zip(ts, like, strict=True)]
+
+
+def _second_jvp(primals, tangents, **params):
+    n = params["res_tree"].num_leaves
+    out = second_p.bind(*primals, **params)
+    # The residuals passed through stop_gradient, except the last, the guard `z`.
+    if not all(is_zero_tangent(t) for t in tangents[: n - 1]):
+        raise NotImplementedError(THIRD_ORDER_MESSAGE)
+    na = _num_a(params["mode"], params["wa"])
+    res, a, b = primals[:n], primals[n : n + na], primals[n + na :]
+    da, db = tangents[n : n + na], tangents[n + na :]
+    terms = []  # bilinear in (a, b)
+    if not all(type(t) is ad.Zero for t in da):
+        terms.append(second_p.bind(*res, *_instantiate(da, a), *b, **params))
+    if not all(type(t) is ad.Zero for t in db):
+        terms.append(second_p.bind(*res, *a, *_instantiate(db, b), **params))
+    z_t = tangents[n - 1]
+    if not terms:
+        if is_zero_tangent(z_t):
+            return out, [ad.Zero(jax.typeof(x).to_tangent_aval()) for x in out]
+        terms = [[jnp.zeros_like(x) for x in out]]
+    out_t = [sum(ts[1:], ts[0]) for ts in zip(*terms, strict=True)]
+    return out, add_guard_tangent(out_t, z_t)
+
+
+def _second_transpose(cts, *args, cfg, res_tree, mode, wa, wb):
+    n = res_tree.num_leaves
+    na = _num_a(mode, wa)
+    residuals, a, b = args[:n], args[n : n + na], args[n + na :]
+    assert not any(ad.is_undefined_primal(x) for x in residuals)
+    a_linear = any(ad.is_undefined_primal(x) for x in a)
+    b_linear = any(ad.is_undefined_primal(x) for x in b)
+    if a_linear and b_linear:
+        raise NotImplementedError("eqx_flash: a second-order term transposed in both of "
+                                  "its directions at once (it is bilinear, not linear)")
+    if all(type(ct) is ad.Zero for ct in cts):
         return [None] * len(args)
-    raise NotImplementedError(SECOND_ORDER_MESSAGE)
+    out_avals = [x.aval if ad.is_undefined_primal(x) else jax.typeof(x) for x in args]
+    out_avals = _second_abstract_eval(*out_avals, cfg=cfg, res_tree=res_tree, mode=mode,
+                                      wa=wa, wb=wb)
+    cts = [ad.zeros_like_aval(av) if type(ct) is ad.Zero else ct
+           for ct, av in zip(cts, out_avals, strict=True)]
+    bind = lambda mode, wa, wb, a, w: second_p.bind(  # noqa: E731
+        *residuals, *a, *w, cfg=cfg, res_tree=res_tree, mode=mode, wa=wa, wb=wb)
+    if mode == "tangent" and a_linear:  # T2 in u
+        new = bind("backward", wa, wb, cts, b)
+    elif mode == "tangent":  # T2 in w
+        new = bind("backward", wb, wa, cts, a)
+    elif a_linear:  # B2 in c
+        new = bind("tangent", wa, wb, cts, b)
+    else:  # B2 in w
+        new = bind("backward", wb, wa, a, cts)
+    linear = a if a_linear else b
+    # A linear operand that is a known value (an instantiated zero) gets no cotangent.
+    new = [ct if ad.is_undefined_primal(x) else None for ct, x in zip(new, linear, strict=True)]
+    return [None] * n + (new + [None] * len(b) if a_linear else [None] * na + new)
 
 
-def _unsupported_jvp(primals, tangents, *, dtype):
-    out = _unsupported_p.bind(*primals, dtype=dtype)
-    nonzero = [t for t in tangents if type(t) is not ad.Zero]
-    if not nonzero:
-        return out, ad.Zero(core.ShapedArray((), dtype))
-    return out, _unsupported_p.bind(*nonzero, dtype=dtype)
+ad.primitive_jvps[second_p] = _second_jvp
+ad.primitive_transposes[second_p] = _second_transpose
+batching.primitive_batchers[second_p] = batch_by_map(second_p)
 
 
-def _unsupported_batch(args, dims, *, dtype):
-    del dims
-    return _unsupported_p.bind(*args, dtype=dtype), None
-
-
-mlir.register_lowering(_unsupported_p, _unsupported_lowering)
-ad.primitive_jvps[_unsupported_p] = _unsupported_jvp
-ad.primitive_transposes[_unsupported_p] = _unsupported_transpose
-batching.primitive_batchers[_unsupported_p] = _unsupported_batch
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def second_order_guard(dtype, *residuals):
-    """Zero, whose derivative with respect to `residuals` is `_unsupported_p`."""
-    del residuals
-    return jnp.zeros((), dtype)
-
-
-@functools.partial(second_order_guard.defjvp, symbolic_zeros=True)
-def _second_order_guard_jvp(dtype, primals, tangents):
-    nonzero = [t for t in tangents if type(t) is not SymbolicZero]
-    zero = jnp.zeros((), dtype)
-    if not nonzero:
-        return zero, zero
-    return zero, _unsupported_p.bind(*nonzero, dtype=jnp.dtype(dtype))
+def second_order(cfg: KernelConfig, mode: Mode, wa: tuple[bool, ...], wb: tuple[bool, ...],
+                 guarded: tuple[Residuals, Array], a: Sequence[Array],
+                 w: Sequence[Array]) -> list[Array]:
+    """`T2(x; a, w)` (mode "tangent") or `B2(x; a, w)` (mode "backward") for the
+    residuals and guard `guarded` (see the module docstring)."""
+    flat, res_tree = jax.tree.flatten(guarded)
+    return second_p.bind(*flat, *a, *w, cfg=cfg, res_tree=res_tree, mode=mode, wa=wa, wb=wb)

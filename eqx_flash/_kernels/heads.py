@@ -45,7 +45,9 @@ class Rows(NamedTuple):
         if self.b is None or self.h is None:
             return jax.lax.dynamic_slice_in_dim(self.x, start, size, axis=0)
         dim = self.x.shape[-1]
-        return jax.lax.dynamic_slice(self.x, (self.b, self.h, start, 0), (1, 1, size, dim))[0, 0]
+        # One index dtype for all four (under jax_enable_x64 a Python int is int64).
+        index = tuple(jnp.asarray(i, jnp.int32) for i in (self.b, self.h, start, 0))
+        return jax.lax.dynamic_slice(self.x, index, (1, 1, size, dim))[0, 0]
 
     @property
     def seq(self) -> int:
