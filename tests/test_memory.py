@@ -115,3 +115,32 @@ def test_sinks_and_max_scores_stay_linear_in_memory():
     grad = jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)
     temp = _compiled_temp(grad, x, x, x, sinks)
     assert temp < SCORES / 8, f"{temp / 2**20:.0f} MiB of temporaries"
+
+
+def _second_order_loss(q, k, v):
+    out, lse = flash_attention(q, k, v, causal=True)
+    return jnp.sum(jnp.sin(out)) + jnp.where(jnp.isfinite(lse), lse, 0.0).sum()
+
+
+def test_hessian_vector_product_is_linear_in_memory():
+    """A causal HVP (jax.jvp of jax.grad along q, k, v) at seq 16384, one head, dim 64:
+    temporaries below N^2 * 4 / 8 bytes, like the first-order paths (#24)."""
+    x = jax.ShapeDtypeStruct((1, 1, SEQ, DIM), jnp.float32)
+    grad = jax.grad(_second_order_loss, argnums=(0, 1, 2))
+
+    def hvp(q, k, v, dq, dk, dv):
+        return jax.jvp(grad, (q, k, v), (dq, dk, dv))[1]
+
+    temp = _compiled_temp(hvp, x, x, x, x, x, x)
+    assert temp < SCORES / 8, f"HVP: {temp / 2**20:.0f} MiB of temporaries"
+
+
+def test_gradient_of_a_gradient_is_linear_in_memory():
+    """A gradient penalty's gradient (reverse over reverse) stays blockwise too."""
+    x = jax.ShapeDtypeStruct((1, 1, SEQ, DIM), jnp.float32)
+
+    def penalty(q, k, v):
+        return jnp.sum(jax.grad(_second_order_loss)(q, k, v) ** 2)
+
+    temp = _compiled_temp(jax.grad(penalty, argnums=(0, 1, 2)), x, x, x)
+    assert temp < SCORES / 8, f"grad of grad: {temp / 2**20:.0f} MiB of temporaries"

@@ -65,7 +65,9 @@ def accumulate(
                      if ops.bias.shape[a] == 1 and d_scores_t.shape[t] != 1)
         part = d_scores_t.sum(axis=axes, keepdims=True).transpose(1, 2, 0)
         part = part.astype(d_bias.dtype)
-        starts = (0, q_start if d_bias.shape[1] != 1 else 0, k_start if d_bias.shape[2] != 1 else 0)
+        # One index dtype (under jax_enable_x64 a Python int is int64).
+        starts = tuple(jnp.asarray(x, jnp.int32) for x in (
+            0, q_start if d_bias.shape[1] != 1 else 0, k_start if d_bias.shape[2] != 1 else 0))
         old = jax.lax.dynamic_slice(d_bias, starts, part.shape)
         d_bias = jax.lax.dynamic_update_slice(d_bias, old + part, starts)
     if ops.alibi_slopes is not None and d_slopes is not None:

@@ -1,5 +1,5 @@
 """`check_attention`: an attention function against `plain_attention` on one drawn
-problem: outputs, lse, gradients and jvp tangents."""
+problem: outputs, lse, gradients, jvp tangents and Hessian-vector products."""
 
 import functools
 import inspect
@@ -107,6 +107,27 @@ def _evaluate_jvp(fn, static, q, k, v, arrays, tangents):
 
 
 
+def _evaluate_hvp(fn, static, q, k, v, arrays, extra):
+    """The Hessian-vector product (`jax.jvp` of `jax.grad`) of the linear function of
+    `_values_and_grads` (weights `extra[0]`) along the tangents `extra[1]` (as in
+    `_evaluate_jvp`), named like the gradients."""
+    (w, u), (*d_qkv, d_free) = extra
+    fixed = {n: x for n, x in arrays.items() if n not in d_free}
+
+    def loss(q, k, v, free):
+        out, lse = split_outputs(fn(q, k, v, **_join(static, {**fixed, **free})))
+        total = jnp.sum(w.astype(out.dtype) * out)
+        if lse is not None:
+            total = total + jnp.sum(u * jnp.where(jnp.isfinite(lse), lse, 0.0))
+        return total
+
+    free = {n: arrays[n] for n in d_free}
+    _, (dq, dk, dv, d_free) = jax.jvp(jax.grad(loss, argnums=(0, 1, 2, 3)),
+                                      (q, k, v, free), (*d_qkv, d_free))
+    named = {k: g for n, grad in d_free.items() for k, g in _named_grads(n, grad).items()}
+    return {"dq": dq, "dk": dk, "dv": dv, **named}
+
+
 def _tangents(inputs: "AttentionInputs", seed: int) -> tuple[Any, ...]:
     """Random tangents of q, k, v and (by name) of the floating array arguments
     (`DIFFERENTIABLE`), scaled like them (so the logits move by O(1))."""
@@ -127,12 +148,14 @@ def _tangents(inputs: "AttentionInputs", seed: int) -> tuple[Any, ...]:
 
 def _evaluate(fn, static, q, k, v, arrays, extra, mode: str) -> Any:
     """`mode` "values" or "grads": `_values_and_grads` with weights `extra`; "jvp":
-    `_evaluate_jvp` along tangents `extra`; "max_scores": the third result of
+    `_evaluate_jvp` along tangents `extra`; "hvp": `_evaluate_hvp`; "max_scores": the third result of
     `fn(..., return_max_scores=True)`."""
     if mode == "max_scores":
         return fn(q, k, v, **_join(static, arrays), return_max_scores=True)[2]
     if mode == "jvp":
         return _evaluate_jvp(fn, static, q, k, v, arrays, extra)
+    if mode == "hvp":
+        return _evaluate_hvp(fn, static, q, k, v, arrays, extra)
     return _values_and_grads(fn, static, q, k, v, arrays, extra, mode == "grads")
 
 
@@ -219,6 +242,7 @@ def check_attention(
     tolerance: Tolerance | None = None,
     seed: int = 0,
     max_scores: bool = False,
+    second_order: bool = False,
 ) -> None:
     """Assert that `fn` computes the same attention as `reference` on `inputs`.
 
@@ -229,7 +253,9 @@ def check_attention(
     of a fixed random linear function of `out` and of the finite entries of `lse`; and, with
     `jvp`, the forward-mode tangents (`jax.jvp`) of `out` and `lse` along fixed random
     tangents of `q`, `k`, `v` and of the floating array arguments (a bias, ALiBi slopes,
-    a score_mod's arrays) (judged like gradients, and never NaN).
+    a score_mod's arrays) (judged like gradients, and never NaN); and, with
+    `second_order`, the Hessian-vector products (`jax.jvp` of `jax.grad`) of the same
+    linear function along the same tangents, for every input the gradients cover.
 
     **Arguments:**
 
@@ -245,6 +271,8 @@ def check_attention(
     - `seed`: seed of the random linear function the gradients are taken of.
     - `max_scores`: also compare the per-row max scores of `fn(...,
         return_max_scores=True)` (judged like lse: `-inf` in the same places).
+    - `second_order`: also compare Hessian-vector products (judged like gradients, with
+        twice their tolerance: one more derivative of round-off).
 
     **Raises:**
 
@@ -290,6 +318,17 @@ def check_attention(
             problems.append(
                 _compare(name, got, expected, tol.grad, per_tensor=True, floor=0.1 * scale)
             )
+    if second_order:
+        extra = (weights, _tangents(inputs, seed))
+        got, expected = (_run(f, inputs.kwargs, q, k, v, extra, "hvp", jit)
+                         for f in (fn, reference))
+        scale = max(float(jnp.max(jnp.abs(expected[n].astype(jnp.float32))))
+                    for n in ("dq", "dk", "dv"))
+        atol, rtol = tol.grad
+        for name, r in expected.items():
+            floor = 0.1 * scale if name in ("dq", "dk", "dv") else 0.0
+            problems.append(_compare(f"hvp {name}", got.get(name), r, (2 * atol, 2 * rtol),
+                                     per_tensor=True, floor=floor))
     if max_scores:
         got, expected = (_run(f, inputs.kwargs, q, k, v, None, "max_scores", jit)
                          for f in (fn, reference))
