@@ -12,8 +12,8 @@ d_lse)` to those of the marked leaves with the backward kernel, which accumulate
 those (a constant bias or frozen score_mod costs nothing). Each is the other's transpose.
 
 Its JVP along the differentiable residuals is the second-order primitive
-(`second_order`): the saved `out` and `lse` are functions of those, so their own
-tangents are not read — `second_order` differentiates through them. The constant
+(`second_order`): the saved `out` and `lse` are functions of those, and their own
+tangents (`T(x; w)`) are handed to it only to save recomputing them. The constant
 operands have no floating leaves, hence no tangents.
 """
 
@@ -63,6 +63,12 @@ def _linear_abstract_eval(*args, cfg, which, res_tree, transposed):
 linear_p.def_abstract_eval(_linear_abstract_eval)
 
 
+def _saved_positions(res_tree) -> tuple[int, int]:
+    """The flat positions of the saved `out` and `lse`."""
+    res = jax.tree.unflatten(res_tree, range(res_tree.num_leaves))
+    return res.out, res.lse
+
+
 def _linear_jvp(primals, tangents, *, cfg, which, res_tree, transposed):
     params = dict(cfg=cfg, which=which, res_tree=res_tree, transposed=transposed)
     n = res_tree.num_leaves
@@ -83,8 +89,11 @@ def _linear_jvp(primals, tangents, *, cfg, which, res_tree, transposed):
         z = derivative_guard(THIRD_ORDER_MESSAGE, res.lse.dtype,
                              *marked(differentiable_leaves(res), moved))
         mode = "backward" if transposed else "tangent"
+        # The saved out and lse move by T(x; w): their tangents, when JAX has them.
+        d_saved = [tangents[i] for i in _saved_positions(res_tree)]
+        given = None if any(type(t) is ad.Zero for t in d_saved) else d_saved
         terms.append(second_order(cfg, mode, which, moved, (stopped, z), lin,
-                                  marked(res_t, moved)))
+                                  marked(res_t, moved), given))
     if not terms:
         return out, [ad.Zero(jax.typeof(x).to_tangent_aval()) for x in out]
     return out, [sum(ts[1:], ts[0]) for ts in zip(*terms, strict=True)]

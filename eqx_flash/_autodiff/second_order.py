@@ -28,8 +28,13 @@ term raises `THIRD_ORDER_MESSAGE`, never a silently missing term.
 
 Operands: the residuals `(Residuals, z)` flattened (`z` the guard), then `a` — `u`'s
 marked leaves (`wa`) in mode "tangent", `c = (d_out, d_lse)` in mode "backward" — then
-`w`'s marked leaves (`wb`). Outputs: `(d_out, d_lse)` in mode "tangent", the marked
-(`wa`) leaves' cotangents in mode "backward".
+`w`'s marked leaves (`wb`), then, with `given_moved`, `T(x; w)` itself. The linear
+primitive's JVP rule has it at hand (the tangents of the saved `out` and `lse` are
+exactly that), which saves recomputing it; it is an operand for evaluation only: the JVP
+and transpose rules treat the result as a function of `w` alone (`out` and `lse` moving
+with `x`), so they give it no cotangent and their own binds recompute it. Outputs:
+`(d_out, d_lse)` in mode "tangent", the marked (`wa`) leaves' cotangents in mode
+"backward".
 """
 
 from collections.abc import Sequence
@@ -60,19 +65,21 @@ def _num_a(mode: Mode, wa: Sequence[bool]) -> int:
     return sum(wa) if mode == "tangent" else 2
 
 
-def _split(args: Sequence[Any], res_tree, mode: Mode, wa) -> tuple[Residuals, Any, list, list]:
-    """`(residuals, z, a, w)` from the flat operands."""
+def _split(args: Sequence[Any], res_tree, mode: Mode, wa, wb
+           ) -> tuple[Residuals, Any, list, list, list]:
+    """`(residuals, z, a, w, moved)` from the flat operands (`moved` empty unless given)."""
     n = res_tree.num_leaves
     res, z = jax.tree.unflatten(res_tree, list(args[:n]))
     lin = list(args[n:])
-    na = _num_a(mode, wa)
-    return res, z, lin[:na], lin[na:]
+    na, nb = _num_a(mode, wa), sum(wb)
+    return res, z, lin[:na], lin[na : na + nb], lin[na + nb :]
 
 
-def _second_fn(*args, cfg: KernelConfig, res_tree, mode: Mode, wa, wb) -> list[Array]:
-    res, _, a, w = _split(args, res_tree, mode, wa)
+def _second_fn(*args, cfg: KernelConfig, res_tree, mode: Mode, wa, wb, given_moved
+               ) -> list[Array]:
+    res, _, a, w, moved = _split(args, res_tree, mode, wa, wb)
     # out and lse move along w by the first derivative.
-    d_out, d_lse = apply_tangent(cfg, res, wb, w)
+    d_out, d_lse = moved if given_moved else apply_tangent(cfg, res, wb, w)
 
     def first_order(x_w, out, lse):
         moved = with_differentiable(res, wb, x_w)._replace(out=out, lse=lse)
@@ -91,9 +98,9 @@ second_p.def_impl(_second_fn)
 mlir.register_lowering(second_p, mlir.lower_fun(_second_fn, multiple_results=True))
 
 
-def _second_abstract_eval(*args, cfg, res_tree, mode, wa, wb) -> list[Any]:
-    del cfg, wb
-    res, _, _, _ = _split(args, res_tree, mode, wa)
+def _second_abstract_eval(*args, cfg, res_tree, mode, wa, wb, given_moved) -> list[Any]:
+    del cfg, given_moved
+    res, _, _, _, _ = _split(args, res_tree, mode, wa, wb)
     if mode == "tangent":
         return [res.out, res.lse]
     return marked(differentiable_leaves(res), wa)
@@ -113,14 +120,16 @@ def _second_jvp(primals, tangents, **params):
     # The residuals passed through stop_gradient, except the last, the guard `z`.
     if not all(is_zero_tangent(t) for t in tangents[: n - 1]):
         raise NotImplementedError(THIRD_ORDER_MESSAGE)
-    na = _num_a(params["mode"], params["wa"])
-    res, a, b = primals[:n], primals[n : n + na], primals[n + na :]
-    da, db = tangents[n : n + na], tangents[n + na :]
-    terms = []  # bilinear in (a, b)
+    na, nb = _num_a(params["mode"], params["wa"]), sum(params["wb"])
+    res, a, b = primals[:n], primals[n : n + na], primals[n + na : n + na + nb]
+    da, db = tangents[n : n + na], tangents[n + na : n + na + nb]
+    plain = dict(params, given_moved=False)
+    terms = []  # bilinear in (a, b); `moved` is a function of b (module docstring)
     if not all(type(t) is ad.Zero for t in da):
-        terms.append(second_p.bind(*res, *_instantiate(da, a), *b, **params))
+        terms.append(second_p.bind(*res, *_instantiate(da, a), *b,
+                                   *primals[n + na + nb :], **params))
     if not all(type(t) is ad.Zero for t in db):
-        terms.append(second_p.bind(*res, *a, *_instantiate(db, b), **params))
+        terms.append(second_p.bind(*res, *a, *_instantiate(db, b), **plain))
     z_t = tangents[n - 1]
     if not terms:
         if is_zero_tangent(z_t):
@@ -130,13 +139,14 @@ def _second_jvp(primals, tangents, **params):
     return out, add_guard_tangent(out_t, z_t)
 
 
-def _second_transpose(cts, *args, cfg, res_tree, mode, wa, wb):
+def _second_transpose(cts, *args, cfg, res_tree, mode, wa, wb, given_moved):
     n = res_tree.num_leaves
-    na = _num_a(mode, wa)
-    residuals, a, b = args[:n], args[n : n + na], args[n + na :]
+    na, nb = _num_a(mode, wa), sum(wb)
+    residuals, a, b = args[:n], args[n : n + na], args[n + na : n + na + nb]
+    moved = args[n + na + nb :]  # gets no cotangent: the result's is w's (docstring)
     assert not any(ad.is_undefined_primal(x) for x in residuals)
     a_linear = any(ad.is_undefined_primal(x) for x in a)
-    b_linear = any(ad.is_undefined_primal(x) for x in b)
+    b_linear = any(ad.is_undefined_primal(x) for x in (*b, *moved))
     if a_linear and b_linear:
         raise NotImplementedError("eqx_flash: a second-order term transposed in both of "
                                   "its directions at once (it is bilinear, not linear)")
@@ -144,11 +154,12 @@ def _second_transpose(cts, *args, cfg, res_tree, mode, wa, wb):
         return [None] * len(args)
     out_avals = [x.aval if ad.is_undefined_primal(x) else jax.typeof(x) for x in args]
     out_avals = _second_abstract_eval(*out_avals, cfg=cfg, res_tree=res_tree, mode=mode,
-                                      wa=wa, wb=wb)
+                                      wa=wa, wb=wb, given_moved=given_moved)
     cts = [ad.zeros_like_aval(av) if type(ct) is ad.Zero else ct
            for ct, av in zip(cts, out_avals, strict=True)]
     bind = lambda mode, wa, wb, a, w: second_p.bind(  # noqa: E731
-        *residuals, *a, *w, cfg=cfg, res_tree=res_tree, mode=mode, wa=wa, wb=wb)
+        *residuals, *a, *w, cfg=cfg, res_tree=res_tree, mode=mode, wa=wa, wb=wb,
+        given_moved=False)
     if mode == "tangent" and a_linear:  # T2 in u
         new = bind("backward", wa, wb, cts, b)
     elif mode == "tangent":  # T2 in w
@@ -160,7 +171,8 @@ def _second_transpose(cts, *args, cfg, res_tree, mode, wa, wb):
     linear = a if a_linear else b
     # A linear operand that is a known value (an instantiated zero) gets no cotangent.
     new = [ct if ad.is_undefined_primal(x) else None for ct, x in zip(new, linear, strict=True)]
-    return [None] * n + (new + [None] * len(b) if a_linear else [None] * na + new)
+    rest = [None] * len(moved)
+    return [None] * n + (new + [None] * nb + rest if a_linear else [None] * na + new + rest)
 
 
 ad.primitive_jvps[second_p] = _second_jvp
@@ -170,8 +182,10 @@ batching.primitive_batchers[second_p] = batch_by_map(second_p)
 
 def second_order(cfg: KernelConfig, mode: Mode, wa: tuple[bool, ...], wb: tuple[bool, ...],
                  guarded: tuple[Residuals, Array], a: Sequence[Array],
-                 w: Sequence[Array]) -> list[Array]:
+                 w: Sequence[Array], moved: Sequence[Array] | None = None) -> list[Array]:
     """`T2(x; a, w)` (mode "tangent") or `B2(x; a, w)` (mode "backward") for the
-    residuals and guard `guarded` (see the module docstring)."""
+    residuals and guard `guarded`; `moved`, if known, `T(x; w)` (module docstring)."""
     flat, res_tree = jax.tree.flatten(guarded)
-    return second_p.bind(*flat, *a, *w, cfg=cfg, res_tree=res_tree, mode=mode, wa=wa, wb=wb)
+    extra = [] if moved is None else list(moved)
+    return second_p.bind(*flat, *a, *w, *extra, cfg=cfg, res_tree=res_tree, mode=mode,
+                         wa=wa, wb=wb, given_moved=moved is not None)
