@@ -351,3 +351,27 @@ def test_first_order_programs_are_unchanged():
         assert "eqx_flash_attention_linear" in text
         assert "eqx_flash_attention_second_order" not in text
     assert "eqx_flash_attention_second_order" in program(hvp)
+
+
+def test_ring_second_order_raises_clearly():
+    """The ring has reverse mode only: a gradient of its gradient names the ring (not
+    JAX's error about reversing a while_loop); an HVP, forward mode. Its first-order
+    gradient is unchanged."""
+    from jax.sharding import Mesh
+
+    from eqx_flash import sharded_flash_attention
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("seq",))
+    inputs = _checker_inputs({})
+    q, k, v = inputs.q[0, :2, :8], inputs.k[0, :2, :8], inputs.v[0, :2, :8]
+
+    def f(q):
+        out = sharded_flash_attention(q, k, v, mesh=mesh, seq_axis="seq", causal=True)[0]
+        return jnp.sum(out**2)
+
+    expected = jax.grad(lambda q: jnp.sum(causal_flash_attention(q, k, v)[0] ** 2))(q)
+    np.testing.assert_allclose(jax.grad(f)(q), expected, atol=1e-5)
+    with pytest.raises(NotImplementedError, match="second-order derivatives.*ring"):
+        jax.grad(lambda q: jnp.sum(jax.grad(f)(q) ** 2))(q)
+    with pytest.raises(NotImplementedError, match="forward-mode.*ring"):
+        jax.jvp(jax.grad(f), (q,), (q,))

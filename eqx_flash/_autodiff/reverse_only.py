@@ -4,7 +4,9 @@ A `custom_vjp` function has no forward mode, and JAX's error ("can't apply forwa
 autodiff (jvp) to a custom_vjp function") does not say which function or what to do.
 `reverse_only` wraps one in a `custom_jvp` whose tangent is `_reverse_only_p`: evaluating
 or compiling it raises the wrapper's message, and transposing it runs the function's own
-backward rule, so `jax.grad` is what it was.
+backward rule, so `jax.grad` is what it was. A derivative of that gradient would have to
+differentiate the backward rule itself (loops JAX cannot reverse): its inputs pass
+through `stop_gradient`, guarded (`guard`) by the wrapper's `second_order_message`.
 """
 
 import functools
@@ -18,6 +20,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from .batching import batch_by_map
+from .guard import derivative_guard
 
 
 def _reverse_only_fail(*args, message, **params):
@@ -33,8 +36,9 @@ mlir.register_lowering(
 )
 
 
-def _reverse_only_abstract_eval(*args, num_in, num_out, message, bwd, res_tree, which):
-    del message, bwd, res_tree, which
+def _reverse_only_abstract_eval(*args, num_in, num_out, message, bwd, res_tree, which,
+                                second_order_message):
+    del message, bwd, res_tree, which, second_order_message
     return list(args[num_in : num_in + num_out])  # the outputs, after the residuals
 
 
@@ -43,15 +47,19 @@ def _reverse_only_jvp(primals, tangents, *, message, **params):
     raise NotImplementedError(message)
 
 
-def _reverse_only_transpose(cts, *args, num_in, num_out, message, bwd, res_tree, which):
+def _reverse_only_transpose(cts, *args, num_in, num_out, message, bwd, res_tree, which,
+                            second_order_message):
     del message
     num_res = res_tree.num_leaves
     residuals = jax.tree.unflatten(res_tree, args[:num_res])
     outs = [jax.typeof(x) for x in args[num_in : num_in + len(cts)]]
     cts = [ad.zeros_like_aval(a) if type(ct) is ad.Zero else ct
            for ct, a in zip(cts, outs, strict=True)]
-    grads = bwd(residuals, cts)
+    grads = bwd(*jax.tree.map(jax.lax.stop_gradient, (residuals, cts)))
     chosen = [g for g, w in zip(grads, which, strict=True) if w]
+    z = derivative_guard(second_order_message, chosen[0].dtype,
+                         *jax.tree.leaves((residuals, cts)))
+    chosen = [g + z.astype(g.dtype) for g in chosen]
     return [None] * (num_res + num_out) + chosen
 
 
@@ -74,6 +82,7 @@ def reverse_only(
     bwd: Callable[..., Any],
     message: str,
     num_diff: int,
+    second_order_message: str,
 ) -> Callable[..., Any]:
     """Wrap `attention(static, *args) -> (out, lse)` (its first `num_diff` arguments are
     the differentiable ones, possibly pytrees) so that `jax.jvp` raises `message` and
@@ -81,7 +90,8 @@ def reverse_only(
     wanted)`. `wanted` is the differentiable arguments' structure with a bool per leaf
     (has it a non-zero tangent?), so that `bwd` can skip the cotangents nobody asked for
     (a constant bias costs a reduction per block); `bwd` returns the cotangents of those
-    arguments, None where not wanted."""
+    arguments, None where not wanted. A derivative of the gradient raises
+    `second_order_message`."""
 
     @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
     def wrapped(static, *args):
@@ -97,8 +107,6 @@ def reverse_only(
         wanted = jax.tree.unflatten(tangent_tree, which)
         nonzero = [t for t, w in zip(tangent_leaves, which, strict=True) if w]
         out_leaves, out_tree = jax.tree.flatten(outs)
-        # No stop_gradient: a derivative of the gradient differentiates `bwd` itself (the
-        # transpose calls it on these residuals).
         res_flat, res_tree = jax.tree.flatten(residuals(static, args, outs))
         # Operands: residuals, then the outputs again (for their avals), then tangents.
         flat = [*res_flat, *(jax.lax.stop_gradient(x) for x in out_leaves), *nonzero]
@@ -109,7 +117,7 @@ def reverse_only(
             *flat, num_in=len(res_flat), num_out=len(out_leaves), message=message,
             bwd=functools.partial(_flat_cotangents, bwd, static, out_tree, tangent_tree,
                                   wanted),
-            res_tree=res_tree, which=which,
+            res_tree=res_tree, which=which, second_order_message=second_order_message,
         )
         return outs, jax.tree.unflatten(out_tree, d_outs)
 

@@ -211,6 +211,11 @@ _ring_attention_ad = reverse_only(
     "ring (ring_flash_attention / sharded_flash_attention); reverse mode is. For forward "
     "mode, use flash_attention (which supports it) without sequence sharding.",
     num_diff=5,
+    second_order_message=(
+        "eqx_flash: second-order derivatives (jax.grad of jax.grad, jax.hessian, "
+        "jax.jvp of jax.grad, a loss on a jvp tangent) are not supported on the ring "
+        "(ring_flash_attention / sharded_flash_attention), which has reverse mode "
+        "only. flash_attention without sequence sharding supports them."),
 )
 
 
