@@ -15,6 +15,7 @@ from helpers import enable_x64
 from hypothesis import given, settings
 
 from eqx_flash import (
+    FlashAttention,
     FlashMultiheadAttention,
     RelativePositionBias,
     causal_flash_attention,
@@ -210,8 +211,8 @@ OPTION_CASES = {
     },
     "causal_alibi_bias_sinks": {"causal": True, "alibi_slopes": np.array([0.5, 0.25, 0.1, 0.05]),
                                 "bias": True, "sinks": np.array([0.3, -1.0, 0.0, 2.0])},
-    "softcap_attn_mask_dropout": {
-        "softcap": 3.0, "attn_mask": np.random.default_rng(5).random((SEQ_Q, SEQ_K)) < 0.7,
+    "softcap_attn_mask_mask_mod_dropout": {
+        "softcap": 3.0, "mask_mod": lambda b, h, i, j: (i + 2 * j) % 5 != 0, "attn_mask": np.random.default_rng(5).random((SEQ_Q, SEQ_K)) < 0.7,
         "dropout_rate": 0.2, "key": jax.random.key(3),
     },
 }
@@ -294,6 +295,11 @@ def test_causal_flash_attention_and_modules():
 
     got = jax.jit(lambda: hvp(lambda q, k, v: causal_flash_attention(q, k, v, **BLOCKS)))()
     expected = hvp(lambda q, k, v: plain_attention(q, k, v, causal=True))
+    np.testing.assert_allclose(got, expected, atol=2e-5 * float(jnp.max(jnp.abs(expected))))
+
+    # FlashAttention works on one example: vmapped over the batch.
+    layer = FlashAttention(causal=True, block_q=4, block_k=4)
+    got = jax.jit(lambda: hvp(lambda q, k, v: (jax.vmap(layer)(q, k, v),)))()  # out only
     np.testing.assert_allclose(got, expected, atol=2e-5 * float(jnp.max(jnp.abs(expected))))
 
     # Same key: the same weights as eqx.nn.MultiheadAttention, which materialises.
