@@ -316,6 +316,61 @@ def check_ring_score_terms():
     }
 
 
+def check_ring_user_shard_map_vma():
+    """`ring_flash_attention` inside the user's own `jax.shard_map` with its default
+    `check_vma=True` (#25: a key mask failed to type-check), with every array argument
+    it takes — key mask, segment ids, bias, ALiBi slopes, sinks — causal and not, GQA,
+    on 4 devices: out, lse and the cotangents of q, k, v, bias, slopes and sinks against
+    single-device `flash_attention`."""
+    n, seq = 4, 64
+    mesh = _seq_mesh(n)
+    keys = jax.random.split(jax.random.key(2), 8)
+    q, k, v = qkv(keys[0], (B, H, seq, D), (B, KH, seq, D))
+    mask = jax.random.uniform(keys[1], (B, seq)) > 0.2
+    ids = jnp.asarray(np.stack([np.arange(seq) * 3 // seq, np.arange(seq) * 2 // seq]), jnp.int32)
+    bias = jax.random.normal(keys[2], (B, H, seq, seq))
+    slopes = jax.random.uniform(keys[3], (H,), minval=0.05, maxval=0.5)
+    sinks = jax.random.normal(keys[4], (H,))
+    cot = (jax.random.normal(keys[5], (B, H, seq, D)), jax.random.normal(keys[6], (B, H, seq)))
+    rows, by_key = P(None, None, "seq"), P(None, "seq")
+    results = {}
+    for causal in (False, True):
+        def local(q, k, v, mask, ids, bias, slopes, sinks, causal=causal):
+            return eqx_flash.ring_flash_attention(
+                q, k, v, mask, axis_name="seq", causal=causal, q_segment_ids=ids,
+                kv_segment_ids=ids, bias=bias, alibi_slopes=slopes, sinks=sinks,
+                block_q=8, block_k=8)
+
+        ring = jax.shard_map(  # check_vma=True: jax's default
+            local, mesh=mesh,
+            in_specs=(rows, rows, rows, by_key, by_key, P(None, None, "seq", None), P(), P()),
+            out_specs=(rows, rows))
+
+        def single(q, k, v, mask, ids, bias, slopes, sinks, causal=causal):
+            return eqx_flash.flash_attention(
+                q, k, v, mask, causal=causal, q_segment_ids=ids, kv_segment_ids=ids,
+                bias=bias, alibi_slopes=slopes, sinks=sinks)
+
+        def value_and_vjp(fn):
+            def diff(q, k, v, bias, slopes, sinks):
+                return fn(q, k, v, mask, ids, bias, slopes, sinks)
+
+            out, pull = jax.vjp(diff, q, k, v, bias, slopes, sinks)
+            return (*out, *pull(cot))
+
+        expected = jax.jit(lambda: value_and_vjp(single))()
+        got = jax.jit(lambda ring=ring: value_and_vjp(ring))()
+        names = ("out", "lse", "dq", "dk", "dv", "dbias", "dslopes", "dsinks")
+        for name, a, b in zip(names, expected, got, strict=True):
+            a, b = np.asarray(a), np.asarray(b)
+            ok = np.array_equal(np.isneginf(a), np.isneginf(b)) and not np.any(np.isnan(b))
+            finite = np.isfinite(a)
+            scale = max(1.0, float(np.max(np.abs(a[finite]), initial=0.0)))
+            err = float(np.max(np.abs(a[finite] - b[finite]), initial=0.0)) / scale
+            results[f"{'causal' if causal else 'full'}_{name}"] = err if ok else float("inf")
+    return results
+
+
 def check_traced_lengths():
     """Out-of-range lengths inside `jax.jit` on multi-device programs: clamped, never an
     abort (an `eqx.error_if` followed by collectives hung, then killed the process).

@@ -290,6 +290,16 @@ def test_score_terms_on_the_ring_errors():
 
 
 @pytest.mark.multidevice
+def test_ring_in_a_user_shard_map_with_check_vma():
+    """Every array argument of ring_flash_attention inside the user's shard_map under
+    check_vma=True (a key mask failed there, #25), forward and backward."""
+    result = multidevice("ring_user_shard_map_vma")
+    assert len(result) == 16, result
+    for name, err in result.items():
+        assert err < TOL, (name, result)
+
+
+@pytest.mark.multidevice
 def test_traced_out_of_range_lengths_are_clamped_not_fatal():
     """No value check of ours can kill a multi-device program: lengths out of range (or,
     for causal `sharded_flash_attention`, with `kv_lengths - q_lengths != seq_k - seq_q`)

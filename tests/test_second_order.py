@@ -205,14 +205,16 @@ def test_float32_within_the_gradient_tolerance():
 SEQ_Q, SEQ_K = 13, 17
 OPTION_CASES = {
     "window_segments_lengths": {
-        "window": (5, 2), "q_segment_ids": np.sort(np.random.default_rng(3).integers(0, 2, (2, SEQ_Q))),
+        "window": (5, 2),
+        "q_segment_ids": np.sort(np.random.default_rng(3).integers(0, 2, (2, SEQ_Q))),
         "kv_segment_ids": np.sort(np.random.default_rng(4).integers(0, 2, (2, SEQ_K))),
         "kv_lengths": np.array([15, 11]),
     },
     "causal_alibi_bias_sinks": {"causal": True, "alibi_slopes": np.array([0.5, 0.25, 0.1, 0.05]),
                                 "bias": True, "sinks": np.array([0.3, -1.0, 0.0, 2.0])},
     "softcap_attn_mask_mask_mod_dropout": {
-        "softcap": 3.0, "mask_mod": lambda b, h, i, j: (i + 2 * j) % 5 != 0, "attn_mask": np.random.default_rng(5).random((SEQ_Q, SEQ_K)) < 0.7,
+        "softcap": 3.0, "mask_mod": lambda b, h, i, j: (i + 2 * j) % 5 != 0,
+        "attn_mask": np.random.default_rng(5).random((SEQ_Q, SEQ_K)) < 0.7,
         "dropout_rate": 0.2, "key": jax.random.key(3),
     },
 }

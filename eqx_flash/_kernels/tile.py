@@ -306,7 +306,15 @@ def skip_if_empty(
     """
     if mask is None or not has_data_mask:
         return compute(carry)
-    return jax.lax.cond(jnp.any(mask), compute, lambda c: c, carry)
+    nonempty = jnp.any(mask)
+    if varying_axes(nonempty):
+        # Under `shard_map(check_vma=True)` on several devices (where heads are vmapped),
+        # batching a cond on a varying predicate fails to type-check (jax 0.10: "lt
+        # requires varying manual axes to match"). A batched cond computes both branches
+        # and selects anyway: do that directly.
+        new = compute(carry)
+        return jax.tree.map(lambda n, c: jnp.where(nonempty, n, c), new, carry)
+    return jax.lax.cond(nonempty, compute, lambda c: c, carry)
 
 
 def unscan(x: Array) -> Array:

@@ -148,8 +148,8 @@ def _tangents(inputs: "AttentionInputs", seed: int) -> tuple[Any, ...]:
 
 def _evaluate(fn, static, q, k, v, arrays, extra, mode: str) -> Any:
     """`mode` "values" or "grads": `_values_and_grads` with weights `extra`; "jvp":
-    `_evaluate_jvp` along tangents `extra`; "hvp": `_evaluate_hvp`; "max_scores": the third result of
-    `fn(..., return_max_scores=True)`."""
+    `_evaluate_jvp` along tangents `extra`; "hvp": `_evaluate_hvp`; "max_scores": the
+    third result of `fn(..., return_max_scores=True)`."""
     if mode == "max_scores":
         return fn(q, k, v, **_join(static, arrays), return_max_scores=True)[2]
     if mode == "jvp":
