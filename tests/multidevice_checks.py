@@ -190,6 +190,22 @@ def check_memory():
         memory = compiled.memory_analysis()
         assert memory is not None
         result[f"temp_{n}"] = int(memory.temp_size_in_bytes)
+    # Ulysses: whole sequence, heads / devices of them, per device (4 heads here).
+    qkv4 = [jax.ShapeDtypeStruct((1, 4, seq, dim), jnp.float32) for _ in range(3)]
+    for n in (1, 2, 4):
+        mesh = _seq_mesh(n)
+
+        def loss4(q, k, v, mesh=mesh):
+            out, _ = eqx_flash.sharded_flash_attention(
+                q, k, v, mesh=mesh, seq_axis="seq", causal=True, block_q=256, block_k=256,
+                strategy="ulysses")
+            return out.sum()
+
+        with optimised_compilation():
+            compiled = jax.jit(jax.grad(loss4, argnums=(0, 1, 2))).lower(*qkv4).compile()
+        memory = compiled.memory_analysis()
+        assert memory is not None
+        result[f"ulysses_temp_{n}"] = int(memory.temp_size_in_bytes)
     return result
 
 
@@ -368,6 +384,95 @@ def check_ring_user_shard_map_vma():
             scale = max(1.0, float(np.max(np.abs(a[finite]), initial=0.0)))
             err = float(np.max(np.abs(a[finite] - b[finite]), initial=0.0)) / scale
             results[f"{'causal' if causal else 'full'}_{name}"] = err if ok else float("inf")
+    return results
+
+
+def _max_errors(expected, got) -> list[float]:
+    """Max |difference| per leaf (-inf in the same places, else inf)."""
+    errors = []
+    for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(got), strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        if not np.array_equal(np.isneginf(a), np.isneginf(b)) or np.any(np.isnan(b)):
+            errors.append(float("inf"))
+            continue
+        finite = np.isfinite(a)
+        scale = max(1.0, float(np.max(np.abs(a[finite]), initial=0.0)))
+        errors.append(float(np.max(np.abs(a[finite] - b[finite]), initial=0.0)) / scale)
+    return errors
+
+
+def check_ulysses():
+    """`sharded_flash_attention(strategy="ulysses")` against single-device
+    `flash_attention` with every option at once (key mask, causal, window, softcap,
+    segment ids, lengths, bias, ALiBi, sinks, a head-dependent score_mod and mask_mod):
+    values, gradients, jvp and HVP; GQA with kv heads divisible by the devices, fewer
+    than them (repeated) and MQA; batch and heads sharded over a 2 x 2 mesh; the
+    program's all-to-alls; and the errors for head counts that do not split."""
+    seq = 64
+    keys = jax.random.split(jax.random.key(3), 8)
+    table = jax.random.normal(keys[3], (8,))
+    ids = jnp.asarray(np.stack([np.arange(seq) * 3 // seq, np.arange(seq) * 2 // seq]),
+                      jnp.int32)
+    options = dict(
+        mask=jax.random.uniform(keys[4], (B, seq)) > 0.2, window=(20, None), softcap=3.0,
+        q_segment_ids=ids, kv_segment_ids=ids, kv_lengths=jnp.array([60, 50]),
+        score_mod=lambda s, b, h, i, j: s + table[h] * 0.1 * (i - j),
+        mask_mod=lambda b, h, i, j: (i + j + h) % 7 != 0, block_q=8, block_k=8)
+    results = {}
+
+    def compare(name, mesh, heads, kv_heads, causal, **axes):
+        q = jax.random.normal(keys[0], (B, heads, seq, D))
+        k, v = (jax.random.normal(x, (B, kv_heads, seq, D)) for x in keys[1:3])
+        extra = dict(bias=jax.random.normal(keys[5], (B, heads, seq, seq)),
+                     alibi_slopes=jnp.linspace(0.1, 0.4, heads),
+                     sinks=jnp.linspace(-1.0, 1.0, heads), causal=causal)
+
+        def single(q, k, v):
+            return eqx_flash.flash_attention(q, k, v, **options, **extra)
+
+        def ulysses(q, k, v):
+            return eqx_flash.sharded_flash_attention(
+                q, k, v, mesh=mesh, seq_axis="seq", strategy="ulysses", **axes, **options,
+                **extra)
+
+        def derivatives(fn):
+            def loss(q, k, v):
+                out, lse = fn(q, k, v)
+                return jnp.sum(jnp.sin(out)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
+            grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+            jvp = jax.jvp(fn, (q, k, v), (jnp.cos(q), k, v))[1]
+            hvp = jax.jvp(jax.grad(loss), (q, k, v), (jnp.cos(q), k, v))[1]
+            return fn(q, k, v), grads, jvp, hvp
+
+        expected = jax.jit(lambda: derivatives(single))()
+        got = jax.jit(lambda: derivatives(ulysses))()
+        for part, a, b in zip(("values", "grads", "jvp", "hvp"), expected, got, strict=True):
+            results[f"{name}_{part}"] = max(_max_errors(a, b))
+        text = jax.jit(ulysses).lower(q, k, v).as_text()
+        results[f"{name}_all_to_all"] = text.count("all_to_all") + text.count("all-to-all")
+
+    seq_mesh = _seq_mesh(4)
+    compare("gqa_divisible", seq_mesh, 8, 4, causal=True)
+    compare("gqa_repeated", seq_mesh, 4, 2, causal=False)
+    compare("mqa", seq_mesh, 4, 1, causal=True)
+    grid = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "seq"))
+    compare("batch_axis", grid, 4, 2, causal=True, batch_axis="data")
+    heads_grid = Mesh(np.array(jax.devices()).reshape(2, 2), ("model", "seq"))
+    compare("head_axis", heads_grid, 8, 4, causal=True, head_axis="model")
+
+    def error(**shapes):
+        q = jnp.ones((B, shapes["heads"], seq, D))
+        k = jnp.ones((B, shapes["kv_heads"], seq, D))
+        try:
+            eqx_flash.sharded_flash_attention(q, k, k, mesh=seq_mesh, seq_axis="seq",
+                                              strategy="ulysses")
+        except ValueError as e:
+            return str(e)
+        return ""
+
+    results["error_heads"] = error(heads=6, kv_heads=6)
+    results["error_kv_heads"] = error(heads=12, kv_heads=3)
     return results
 
 

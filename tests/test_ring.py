@@ -93,6 +93,24 @@ def test_memory_shrinks_with_devices():
     temp = multidevice("memory")
     assert temp["temp_4"] < 0.6 * temp["temp_2"], temp
     assert temp["temp_4"] < temp["temp_1"], temp
+    # Ulysses: each device holds heads / devices of the whole sequence.
+    assert temp["ulysses_temp_4"] < 0.6 * temp["ulysses_temp_2"], temp
+    assert temp["ulysses_temp_4"] < temp["ulysses_temp_1"], temp
+
+
+@pytest.mark.multidevice
+def test_ulysses_matches_single_device():
+    """strategy="ulysses" with every option: values, gradients, jvp and HVP equal
+    single-device flash_attention (GQA split, repeated, MQA; batch and heads axes);
+    three all-to-alls in and two out; head counts that do not split are ValueErrors."""
+    result = multidevice("ulysses")
+    cases = ("gqa_divisible", "gqa_repeated", "mqa", "batch_axis", "head_axis")
+    for case in cases:
+        for part in ("values", "grads", "jvp", "hvp"):
+            assert result[f"{case}_{part}"] < TOL, (case, part, result)
+        assert result[f"{case}_all_to_all"] >= 5, (case, result)
+    assert "heads=6, kv_heads=6, seq axis size 4" in result["error_heads"], result
+    assert "heads=12, kv_heads=3, 4 devices" in result["error_kv_heads"], result
 
 
 @given(
@@ -155,6 +173,50 @@ def test_sharded_errors():
         eqx_flash.sharded_flash_attention(x, x, x, mesh=mesh, seq_axis="sequence")
     with pytest.raises(ValueError, match="needs a batch axis"):
         eqx_flash.sharded_flash_attention(x, x, x, mesh=mesh, seq_axis="seq", batch_axis="seq")
+
+
+def test_strategy_errors():
+    mesh = Mesh(np.array(jax.devices()[:1]), ("seq",))
+    x = jnp.zeros((2, 8, 4))
+    with pytest.raises(ValueError, match="strategy must be one of 'ring', 'ulysses'"):
+        eqx_flash.sharded_flash_attention(x, x, x, mesh=mesh, seq_axis="seq", strategy="tree")
+    with pytest.raises(NotImplementedError, match="all_gather.*not implemented yet"):
+        eqx_flash.sharded_flash_attention(x, x, x, mesh=mesh, seq_axis="seq",
+                                          strategy="all_gather")
+    with pytest.raises(NotImplementedError, match="ulysses.*block_mask"):
+        bm = eqx_flash.make_block_mask(lambda b, h, i, j: i >= j, (), 2, 8, 8, 8, 8)
+        eqx_flash.sharded_flash_attention(x, x, x, mesh=mesh, seq_axis="seq",
+                                          strategy="ulysses", block_mask=bm)
+    with pytest.raises(NotImplementedError, match="ulysses.*layout"):
+        eqx_flash.sharded_flash_attention(x, x, x, mesh=mesh, seq_axis="seq",
+                                          strategy="ulysses", layout="zigzag")
+
+
+def test_ulysses_on_one_device_is_flash_attention():
+    """On a one-device mesh (the all-to-alls are identities): every option, values,
+    gradients and the jvp as flash_attention's; a score_mod and mask_mod work (the ring
+    refuses them)."""
+    mesh = Mesh(np.array(jax.devices()[:1]), ("seq",))
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((2, 4, 24, 8)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((2, 2, 24, 8)), jnp.float32)
+    options = dict(causal=True, softcap=2.0, kv_lengths=jnp.array([20, 11]),
+                   alibi_slopes=jnp.array([0.1, 0.2, 0.3, 0.4]),
+                   score_mod=lambda s, b, h, i, j: s + 0.01 * (h * (i - j)).astype(s.dtype),
+                   mask_mod=lambda b, h, i, j: (i + j) % 5 != 0, block_q=8, block_k=8)
+
+    def single(q):
+        return eqx_flash.flash_attention(q, k, k, **options)
+
+    def ulysses(q):
+        return eqx_flash.sharded_flash_attention(q, k, k, mesh=mesh, seq_axis="seq",
+                                                 strategy="ulysses", **options)
+
+    for transform in (lambda f: f(q), lambda f: jax.grad(lambda q: jnp.sum(f(q)[0]))(q),
+                      lambda f: jax.jvp(f, (q,), (jnp.cos(q),))[1]):
+        for a, b in zip(jax.tree.leaves(transform(single)), jax.tree.leaves(transform(ulysses)),
+                        strict=True):
+            np.testing.assert_allclose(a, b, atol=1e-5)
 
 
 def test_ring_outside_shard_map():

@@ -1,11 +1,12 @@
-"""Global-array entry point for ring attention.
+"""Global-array entry point for sequence-parallel attention.
 
-`sharded_flash_attention` takes and returns global arrays: it binds them, brings them
-into the internal layout, reorders the sequence for the chosen layout, runs the ring
-(`ring.ring_attention`) under `jax.shard_map` over the sequence mesh axis (batch and
-heads may be sharded over other axes at the same time), and restores the order. How
-each operand is sharded and reordered follows from its role on the ring
-(`ring_operands.role_of`).
+`sharded_flash_attention` takes and returns global arrays and binds them; then, with
+`strategy="ring"` (the default), it brings them into the internal layout, reorders the
+sequence for the chosen layout, runs the ring (`ring.ring_attention`) under
+`jax.shard_map` over the sequence mesh axis (batch and heads may be sharded over other
+axes at the same time), and restores the order. How each operand is sharded and
+reordered follows from its role on the ring (`ring_operands.role_of`). With
+`strategy="ulysses"` it hands the bound call to `ulysses.ulysses_attention`.
 """
 
 import dataclasses
@@ -56,6 +57,9 @@ from .sequence_order import (
     to_ring_layout,
     zigzag_in_map,
 )
+from .ulysses import ulysses_attention
+
+STRATEGIES = ("ring", "ulysses")
 
 
 @jaxtyped(typechecker=beartype)
@@ -87,6 +91,7 @@ def sharded_flash_attention(
     mask_mod: MaskMod | None = None,
     block_mask: BlockMask | None = None,
     return_max_scores: Flag = False,
+    strategy: str = "ring",
 ) -> Attended:
     """`flash_attention` on global arrays, with the sequence sharded over `mesh`.
 
@@ -119,31 +124,64 @@ def sharded_flash_attention(
         the number of kv heads.
     - `layout`: sequence order on the ring (see `ring_flash_attention`). Default:
         `"zigzag"` for causal or windowed attention when the lengths allow (balanced
-        work), else `"contiguous"`.
+        work), else `"contiguous"`. Ring only.
+    - `strategy`: `"ring"` (default): k and v travel round the devices, each attending
+        its own queries to one shard at a time (reverse mode only); `"ulysses"`
+        (DeepSpeed-Ulysses): an all-to-all turns the sequence shards of q, k, v into
+        head shards, each device runs the single-device kernels on the whole sequence
+        for `heads / devices` heads, and a second all-to-all turns the result back. The
+        query heads must be divisible by the devices (the seq axis's, times the head
+        axis's), and the kv heads divisible by them or a divisor of them (then each kv
+        head is repeated); otherwise a `ValueError`. Under it every option works as in
+        `flash_attention` — `score_mod` and `mask_mod` too, with global head indices —
+        and so do forward mode and second-order derivatives; `block_mask` raises
+        `NotImplementedError` (pass the mask_mod alone: each device summarises it).
 
     **Returns:**
 
     `(out, lse)` (and the max scores) as `flash_attention` returns them, as global arrays
     sharded like q.
 
-    `score_mod`, `mask_mod` and `block_mask` raise `NotImplementedError`: use
-    `alibi_slopes`/`bias` and causal/window/segment ids, or `ring_flash_attention` (which
-    takes `score_mod`/`mask_mod`) inside your own `jax.shard_map`.
+    On the ring, `score_mod`, `mask_mod` and `block_mask` raise `NotImplementedError`:
+    use `strategy="ulysses"`, `alibi_slopes`/`bias` and causal/window/segment ids, or
+    `ring_flash_attention` (which takes `score_mod`/`mask_mod`) inside your own
+    `jax.shard_map`.
     """
     arguments = locals()
-    refuse("sharded_flash_attention", arguments, {name: (
-        "call ring_flash_attention inside your own jax.shard_map (it takes score_mod "
-        "and mask_mod, at global positions), or use alibi_slopes=/bias= for score "
-        "terms and causal=, window=, a key mask or segment ids for masks")
-        for name in ("score_mod", "mask_mod", "block_mask")})
+    if strategy not in STRATEGIES:
+        if strategy == "all_gather":
+            raise NotImplementedError(
+                "strategy='all_gather' (k and v all-gathered, each device's queries "
+                "against every key) is not implemented yet; use 'ring' or 'ulysses'")
+        raise ValueError(f"strategy must be one of {', '.join(map(repr, STRATEGIES))} "
+                         f"(and 'all_gather', not implemented yet); got {strategy!r}")
+    if strategy == "ring":
+        refuse("sharded_flash_attention", arguments, {name: (
+            "use strategy='ulysses' (every option, with global head indices), call "
+            "ring_flash_attention inside your own jax.shard_map (it takes score_mod "
+            "and mask_mod, at global positions), or use alibi_slopes=/bias= for score "
+            "terms and causal=, window=, a key mask or segment ids for masks")
+            for name in ("score_mod", "mask_mod", "block_mask")})
+    else:
+        refuse("sharded_flash_attention(strategy='ulysses')", arguments, {
+            "block_mask": "pass the mask_mod alone (each device summarises it for its "
+                          "heads)",
+            "layout": "Ulysses keeps the sequence in order (layout is the ring's)"})
     if layout is not None:
         check_layout(layout)
-    for name in ("mesh", "seq_axis", "batch_axis", "head_axis", "layout"):
+    for name in ("mesh", "seq_axis", "batch_axis", "head_axis", "layout", "strategy"):
         del arguments[name]
-    bound = bind("sharded_flash_attention", **arguments)
-    shapes = bound.shapes
     if seq_axis not in mesh.shape:
         raise ValueError(f"seq_axis={seq_axis!r} is not an axis of the mesh {dict(mesh.shape)}")
+    bound = bind("sharded_flash_attention", **arguments)
+    shapes = bound.shapes
+    if batch_axis is not None and not shapes.batch_shape:
+        raise ValueError(f"batch_axis={batch_axis!r} needs a batch axis; got q.shape={q.shape}")
+    if head_axis is not None and not shapes.has_heads_axis:
+        raise ValueError(f"head_axis={head_axis!r} needs a heads axis; got q.shape={q.shape}")
+    if strategy == "ulysses":
+        return ulysses_attention(bound, mesh=mesh, seq_axis=seq_axis, batch_axis=batch_axis,
+                                 head_axis=head_axis)
     n = mesh.shape[seq_axis]
     if layout is None:
         balanced = n > 1 and not bound.options.window.is_unbounded
@@ -151,10 +189,6 @@ def sharded_flash_attention(
         layout = "zigzag" if balanced and fits else "contiguous"
     for seq in (shapes.seq_q, shapes.seq_k):
         ring_order(seq, n, layout)  # raises on lengths the layout cannot split
-    if batch_axis is not None and not shapes.batch_shape:
-        raise ValueError(f"batch_axis={batch_axis!r} needs a batch axis; got q.shape={q.shape}")
-    if head_axis is not None and not shapes.has_heads_axis:
-        raise ValueError(f"head_axis={head_axis!r} needs a heads axis; got q.shape={q.shape}")
     q5, k4, v4 = split_heads(bound.q, bound.k, bound.v, shapes)
     ops = bound.operands
     if ops.has_lengths:
