@@ -1,11 +1,14 @@
-"""Ring attention on 1, 2 and 4 host (CPU) devices: time and per-device memory.
+"""Sequence parallelism on 1, 2 and 4 host (CPU) devices: time, memory, communication.
 
 Run: `python benchmarks/bench_ring.py [--seq 4096] [--memory-seqs 8192,32768]`. The
 script asks XLA for 4 host devices itself (before jax is imported). For plain
 `flash_attention` and for `sharded_flash_attention` with the sequence over 1, 2 and 4
-devices it reports the wall time of one forward+backward step at `--seq` (best of
-`--repeats`) and the per-device compiled temp memory (`memory_analysis()`, compile only)
-at each of `--memory-seqs`.
+devices, with `strategy="ring"` and `strategy="ulysses"`, it reports the wall time of one
+forward+backward step at `--seq` (best of `--repeats`), the per-device compiled temp
+memory (`memory_analysis()`, compile only) at each of `--memory-seqs`, and the bytes each
+device sends in the forward at `--seq` (counted from the strategy: the ring passes k and
+v on `devices - 1` times; Ulysses' all-to-alls send `(devices - 1) / devices` of each
+device's q, k, v and output shards).
 
 Host devices share the machine's cores, so expect memory, not speed, to improve with
 more of them; on real accelerators each device brings its own compute.
@@ -68,6 +71,28 @@ def _setups(causal: bool):
 
         yield f"ring, {n} device{'s' * (n > 1)}", mesh, ring
 
+    for n in (2, 4):
+        mesh = Mesh(np.array(jax.devices()[:n]), ("seq",))
+
+        def ulysses(q, k, v, mesh=mesh):
+            out, _ = eqx_flash.sharded_flash_attention(
+                q, k, v, mesh=mesh, seq_axis="seq", causal=causal, strategy="ulysses"
+            )
+            return out.sum()
+
+        yield f"ulysses, {n} devices", mesh, ulysses
+
+
+def _sent_mib(name: str, mesh, shape) -> float:
+    """Bytes one device sends in the forward, in MiB (q, k, v, out alike: float32)."""
+    if mesh is None:
+        return 0.0
+    n = mesh.shape["seq"]
+    shard = np.prod(shape) // n * 4
+    if name.startswith("ring"):
+        return (n - 1) * 2 * shard / 2**20  # k and v, n - 1 hops
+    return (n - 1) / n * 4 * shard / 2**20  # q, k, v in; out back
+
 
 def _placed(shape, mesh, concrete: bool):
     sharding = None if mesh is None else NamedSharding(mesh, PartitionSpec(None, None, "seq"))
@@ -90,12 +115,13 @@ def main() -> None:
     memory_seqs = [int(x) for x in opts.memory_seqs.split(",") if x]
     print(f"heads={opts.heads} dim={opts.dim} causal={opts.causal} float32, forward+backward, "
           f"{len(jax.devices())} host devices")
-    header = f"{'setup':<18}{f'time s @{opts.seq}':>16}"
+    header = f"{'setup':<20}{f'time s @{opts.seq}':>16}{f'sent MiB/dev @{opts.seq}':>22}"
     header += "".join(f"{f'temp MiB/dev @{s}':>22}" for s in memory_seqs)
     print(header)
     for name, mesh, loss in _setups(opts.causal):
         shape = (1, opts.heads, opts.seq, opts.dim)
-        row = f"{name:<18}{_time(loss, _placed(shape, mesh, True), opts.repeats):>16.3f}"
+        row = f"{name:<20}{_time(loss, _placed(shape, mesh, True), opts.repeats):>16.3f}"
+        row += f"{_sent_mib(name, mesh, shape):>22.1f}"
         for seq in memory_seqs:
             args = _placed((1, opts.heads, seq, opts.dim), mesh, False)
             row += f"{_temp_mib(loss, args):>22.1f}"

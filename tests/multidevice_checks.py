@@ -190,6 +190,22 @@ def check_memory():
         memory = compiled.memory_analysis()
         assert memory is not None
         result[f"temp_{n}"] = int(memory.temp_size_in_bytes)
+    # Forward mode on the ring: a jvp along q, k, v.
+    for n in (2, 4):
+        mesh = _seq_mesh(n)
+
+        def jvp(q, k, v, mesh=mesh):
+            def f(q, k, v):
+                return eqx_flash.sharded_flash_attention(
+                    q, k, v, mesh=mesh, seq_axis="seq", causal=True, block_q=256,
+                    block_k=256)
+            return jax.jvp(f, (q, k, v), (q, k, v))
+
+        with optimised_compilation():
+            compiled = jax.jit(jvp).lower(*qkv).compile()
+        memory = compiled.memory_analysis()
+        assert memory is not None
+        result[f"jvp_temp_{n}"] = int(memory.temp_size_in_bytes)
     # Ulysses: whole sequence, heads / devices of them, per device (4 heads here).
     qkv4 = [jax.ShapeDtypeStruct((1, 4, seq, dim), jnp.float32) for _ in range(3)]
     for n in (1, 2, 4):
@@ -473,6 +489,88 @@ def check_ulysses():
 
     results["error_heads"] = error(heads=6, kv_heads=6)
     results["error_kv_heads"] = error(heads=12, kv_heads=3)
+    return results
+
+
+def check_ring_forward_mode():
+    """jax.jvp through the ring (#25) on 4 devices against the single-device jvp:
+    `sharded_flash_attention` (zigzag causal and contiguous full; GQA, key mask, segment
+    ids, kv_lengths, bias, ALiBi, sinks; tangents along q, k, v, bias, slopes, sinks),
+    `ring_flash_attention` inside a user's shard_map with check_vma=True, and the
+    sCM/MeanFlow pattern (grad of a loss on the jvp's primal, stop_gradient on a target
+    built from its tangent)."""
+    seq = 64
+    mesh = _seq_mesh(4)
+    keys = jax.random.split(jax.random.key(4), 12)
+    q, k, v = qkv(keys[0], (B, H, seq, D), (B, KH, seq, D))
+    ids = jnp.asarray(np.stack([np.arange(seq) * 3 // seq, np.arange(seq) * 2 // seq]),
+                      jnp.int32)
+    mask = jax.random.uniform(keys[1], (B, seq)) > 0.2
+    bias = jax.random.normal(keys[2], (B, H, seq, seq))
+    slopes = jax.random.uniform(keys[3], (H,), minval=0.05, maxval=0.5)
+    sinks = jax.random.normal(keys[4], (H,))
+    primals = (q, k, v, bias, slopes, sinks)
+    tangents = tuple(jax.random.normal(key, x.shape)
+                     for key, x in zip(keys[6:], primals, strict=True))
+    results = {}
+
+    def options(causal):
+        return dict(causal=causal, q_segment_ids=ids, kv_segment_ids=ids,
+                    kv_lengths=jnp.array([seq, seq - 9]) if causal else None)
+
+    for causal in (False, True):
+        def sharded(q, k, v, bias, slopes, sinks, causal=causal):
+            kw = options(causal)
+            if causal:  # the ring aligns lengths on the global sequence: equal ones
+                kw["q_lengths"] = kw["kv_lengths"]
+            return eqx_flash.sharded_flash_attention(
+                q, k, v, mask, mesh=mesh, seq_axis="seq", bias=bias, alibi_slopes=slopes,
+                sinks=sinks, block_q=8, block_k=8, **kw)
+
+        def single(*args, causal=causal):
+            kw = options(causal)
+            if causal:
+                kw["q_lengths"] = kw["kv_lengths"]
+            q, k, v, bias, slopes, sinks = args
+            return eqx_flash.flash_attention(q, k, v, mask, bias=bias, alibi_slopes=slopes,
+                                             sinks=sinks, **kw)
+
+        expected = jax.jit(lambda: jax.jvp(single, primals, tangents))()
+        got = jax.jit(lambda sharded=sharded: jax.jvp(sharded, primals, tangents))()
+        name = "zigzag_causal" if causal else "contiguous_full"
+        results[name] = max(_max_errors(expected, got))
+
+    rows = P(None, None, "seq")
+
+    def local(q, k, v, mask, ids):
+        return eqx_flash.ring_flash_attention(q, k, v, mask, axis_name="seq", causal=True,
+                                              q_segment_ids=ids, kv_segment_ids=ids,
+                                              block_q=8, block_k=8)
+
+    ring = jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, P(None, "seq"),
+                                                     P(None, "seq")), out_specs=(rows, rows))
+
+    def user_ring(q, k, v):
+        return ring(q, k, v, mask, ids)
+
+    def user_single(q, k, v):
+        return eqx_flash.flash_attention(q, k, v, mask, causal=True, q_segment_ids=ids,
+                                         kv_segment_ids=ids)
+
+    expected = jax.jit(lambda: jax.jvp(user_single, primals[:3], tangents[:3]))()
+    got = jax.jit(lambda: jax.jvp(user_ring, primals[:3], tangents[:3]))()
+    results["user_shard_map_check_vma"] = max(_max_errors(expected, got))
+
+    def scm_grad(fn):
+        def loss(q):
+            out, d_out = jax.jvp(lambda q: fn(q, k, v)[0], (q,), (tangents[0],))
+            return jnp.mean((out - jax.lax.stop_gradient(out - 0.1 * d_out)) ** 2)
+
+        return jax.grad(loss)(q)
+
+    expected = jax.jit(lambda: scm_grad(user_single))()
+    got = jax.jit(lambda: scm_grad(user_ring))()
+    results["scm_pattern"] = max(_max_errors(expected, got))
     return results
 
 

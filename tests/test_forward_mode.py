@@ -300,20 +300,36 @@ def test_third_order_raises_clearly(how):
             jax.jvp(jvp2, (q,), (q,))
 
 
-def test_ring_forward_mode_raises_clearly():
+def test_ring_forward_mode_on_one_device():
+    """jax.jvp through sharded_flash_attention (the ring, #25) equals the single-device
+    jvp, along q, k, v, a bias and ALiBi slopes, with a key mask; reverse mode still runs
+    the ring's own backward. (Several devices: `multidevice_checks.py`.)"""
     from jax.sharding import Mesh
 
     mesh = Mesh(np.array(jax.devices()[:1]), ("seq",))
-    inputs = _inputs(batch=(), heads=2, kv_heads=2, seq_q=32, seq_k=32)
+    inputs = _inputs(batch=(2,), heads=4, kv_heads=2, seq_q=32, seq_k=32)
+    mask = _key_mask(32)
+    bias = jnp.asarray(np.random.default_rng(5).standard_normal((4, 32, 32)), jnp.float32)
+    slopes = jnp.array([0.1, 0.2, 0.3, 0.4])
 
-    def f(q):
-        return eqx_flash.sharded_flash_attention(q, inputs.k, inputs.v, mesh=mesh,
-                                                 seq_axis="seq", causal=True)[0]
+    def ring(q, k, v, bias, slopes):
+        return eqx_flash.sharded_flash_attention(q, k, v, mask, mesh=mesh, seq_axis="seq",
+                                                 causal=True, bias=bias, alibi_slopes=slopes)
 
-    with pytest.raises(NotImplementedError, match="forward-mode.*ring"):
-        jax.jvp(f, (inputs.q,), (inputs.q,))
-    # Reverse mode on the ring is unchanged.
-    grad = jax.grad(lambda q: jnp.sum(f(q) ** 2))(inputs.q)
-    expected = jax.grad(lambda q: jnp.sum(flash_attention(q, inputs.k, inputs.v,
-                                                          causal=True)[0] ** 2))(inputs.q)
+    def single(q, k, v, bias, slopes):
+        return flash_attention(q, k, v, mask, causal=True, bias=bias, alibi_slopes=slopes)
+
+    primals = (inputs.q, inputs.k, inputs.v, bias, slopes)
+    tangents = tuple(jnp.cos(x) for x in primals)
+    got = jax.jit(lambda p, t: jax.jvp(ring, p, t))(primals, tangents)
+    expected = jax.jvp(single, primals, tangents)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+        assert_close(a, b, kind="grad")
+    # A zero tangent (here all but q's) costs nothing and changes nothing.
+    got_q = jax.jvp(lambda q: ring(q, *primals[1:]), (inputs.q,), (tangents[0],))[1]
+    expected_q = jax.jvp(lambda q: single(q, *primals[1:]), (inputs.q,), (tangents[0],))[1]
+    for a, b in zip(got_q, expected_q, strict=True):
+        assert_close(a, b, kind="grad")
+    grad = jax.grad(lambda q: jnp.sum(ring(q, *primals[1:])[0] ** 2))(inputs.q)
+    expected = jax.grad(lambda q: jnp.sum(single(q, *primals[1:])[0] ** 2))(inputs.q)
     assert_close(grad, expected, kind="grad")

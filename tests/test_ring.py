@@ -93,9 +93,21 @@ def test_memory_shrinks_with_devices():
     temp = multidevice("memory")
     assert temp["temp_4"] < 0.6 * temp["temp_2"], temp
     assert temp["temp_4"] < temp["temp_1"], temp
+    assert temp["jvp_temp_4"] < 0.6 * temp["jvp_temp_2"], temp  # forward mode too
     # Ulysses: each device holds heads / devices of the whole sequence.
     assert temp["ulysses_temp_4"] < 0.6 * temp["ulysses_temp_2"], temp
     assert temp["ulysses_temp_4"] < temp["ulysses_temp_1"], temp
+
+
+@pytest.mark.multidevice
+def test_ring_forward_mode_matches_single_device():
+    """jax.jvp through the ring on 4 devices (sharded zigzag causal and contiguous, with
+    every array argument; ring_flash_attention in a user's shard_map under check_vma)
+    and the sCM/MeanFlow pattern equal the single-device results."""
+    result = multidevice("ring_forward_mode")
+    assert len(result) == 4, result
+    for name, err in result.items():
+        assert err < TOL, (name, result)
 
 
 @pytest.mark.multidevice
@@ -344,7 +356,8 @@ def test_score_terms_on_the_ring_errors():
     for name, value in (("score_mod", score_mod), ("mask_mod", mask_mod),
                         ("block_mask", block_mask)):
         with pytest.raises(NotImplementedError,
-                           match=f"support {name}: call ring_flash_attention inside"):
+                           match=f"support {name}: use strategy='ulysses'.*"
+                                 "ring_flash_attention inside"):
             sharded(q, k, v, **{name: value})
     with pytest.raises((ValueError, TypeError), match="bias"):
         eqx_flash.sharded_flash_attention(q, k, v, mesh=mesh, seq_axis="seq",

@@ -241,6 +241,14 @@ def test_every_option_against_plain_attention(name):
                     second_order=True)
 
 
+@pytest.mark.parametrize("name", list(OPTION_CASES))
+def test_every_option_to_float64_round_off(name):
+    """The same in float64, judged by the float64 (round-off) tolerances."""
+    with enable_x64():
+        check_attention(flash_attention, _checker_inputs(OPTION_CASES[name], jnp.float64),
+                        grads=False, second_order=True)
+
+
 def test_score_mod_arrays_get_second_derivatives():
     """A score_mod closing over a table: the HVP reaches the table, as plain_attention's."""
     module = RelativePositionBias(4, num_buckets=8, max_distance=16, key=jax.random.key(7))
@@ -362,9 +370,9 @@ def test_first_order_programs_are_unchanged():
 
 
 def test_ring_second_order_raises_clearly():
-    """The ring has reverse mode only: a gradient of its gradient names the ring (not
-    JAX's error about reversing a while_loop); an HVP, forward mode. Its first-order
-    gradient is unchanged."""
+    """The ring has first-order derivatives only: a gradient of its gradient and an HVP
+    raise an error naming the ring (not JAX's about reversing a while_loop). Its
+    first-order gradient is unchanged."""
     from jax.sharding import Mesh
 
     from eqx_flash import sharded_flash_attention
@@ -381,5 +389,5 @@ def test_ring_second_order_raises_clearly():
     np.testing.assert_allclose(jax.grad(f)(q), expected, atol=1e-5)
     with pytest.raises(NotImplementedError, match="second-order derivatives.*ring"):
         jax.grad(lambda q: jnp.sum(jax.grad(f)(q) ** 2))(q)
-    with pytest.raises(NotImplementedError, match="forward-mode.*ring"):
+    with pytest.raises(NotImplementedError, match="second-order derivatives.*ring"):
         jax.jvp(jax.grad(f), (q,), (q,))

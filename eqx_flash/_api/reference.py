@@ -93,8 +93,8 @@ def plain_attention(
     v5 = jnp.broadcast_to(v4[:, :, None], (b, h, g, shapes.seq_k, shapes.dim_v))
 
     logits = jnp.einsum("bhgqd,bhgkd->bhgqk", q5, k5) * options.scale_for(shapes.dim)
-    q_pos = jnp.arange(shapes.seq_q).reshape(1, 1, 1, -1, 1)
-    k_pos = jnp.arange(shapes.seq_k).reshape(1, 1, 1, 1, -1)
+    q_pos = jnp.arange(shapes.seq_q, dtype=jnp.int32).reshape(1, 1, 1, -1, 1)
+    k_pos = jnp.arange(shapes.seq_k, dtype=jnp.int32).reshape(1, 1, 1, 1, -1)
     add = additive(ops, 0, 0, q_pos, k_pos, shapes.seq_k - shapes.seq_q, shapes.seq_q,
                    shapes.seq_k, stat)
     if add is not None:
@@ -134,7 +134,8 @@ def plain_attention(
     unnormalised = jnp.where(allowed, jnp.exp(jnp.where(allowed, logits, row_max) - row_max), 0.0)
     if ops.dropout_seed is not None:
         rate = options.dropout_rate
-        heads = flat_head_index(jnp.arange(b)[:, None], jnp.arange(h)[None, :], h, g)
+        heads = flat_head_index(jnp.arange(b, dtype=jnp.int32)[:, None],
+                                jnp.arange(h, dtype=jnp.int32)[None, :], h, g)
         keep = dropout_keep(ops.dropout_seed, heads, q_pos, k_pos, rate)
         weights_v = jnp.where(keep, unnormalised / (1.0 - rate), 0.0)
     else:

@@ -21,9 +21,19 @@ from beartype import beartype
 from jaxtyping import Array, jaxtyped
 
 from .._api.binder import Bound, bind, refuse
-from .._autodiff.reverse_only import reverse_only
+from .._autodiff.custom_linear import custom_linear
+from .._autodiff.derivatives import with_custom_derivatives
 from .._core.config import KernelConfig, kernel_config, stat_dtype
-from .._core.operands import Operands, add_cotangents, combine, pad_axis, replace, zeros_for
+from .._core.operands import (
+    Operands,
+    add_cotangents,
+    combine,
+    constant_part,
+    differentiable_part,
+    pad_axis,
+    replace,
+    zeros_for,
+)
 from .._core.shapes import merge_heads, split_heads
 from .._core.types import (
     AlibiSlopes,
@@ -61,13 +71,22 @@ from .ring_operands import (
 from .ring_plan import Ring, dispatch, plan, shift, vary, varying_axes_of
 from .sequence_order import Layout, check_layout, subchunks
 
+# The forward kernel with the single-device derivative rules (the tangent kernel in
+# forward mode): what the ring's forward-mode rule differentiates.
+_differentiable_forward = with_custom_derivatives(forward)
 
-def _forward_pair(cfg: KernelConfig | None, out, lse, top, q, k, v, ops: Operands):
-    """Attend one chunk pair and merge it into the running normalised `(out, lse)` and
-    the running max score `top`."""
+
+def _pair_with_derivatives(cfg: KernelConfig, q, k, v, ops: Operands):
+    return _differentiable_forward(cfg, q, k, v, differentiable_part(ops), constant_part(ops))
+
+
+def _forward_pair(cfg: KernelConfig | None, attention, out, lse, top, q, k, v,
+                  ops: Operands):
+    """Attend one chunk pair with `attention` (a forward kernel) and merge it into the
+    running normalised `(out, lse)` and the running max score `top`."""
     if cfg is None:
         return out, lse, top
-    part_out, part_lse, part_top = forward(cfg, q, k, v, ops)
+    part_out, part_lse, part_top = attention(cfg, q, k, v, ops)
     return (*softmax.merge(out, lse, part_out, part_lse), jnp.maximum(top, part_top))
 
 
@@ -96,8 +115,9 @@ def _indices(ring: Ring, me: Array):
                  for qp in range(ring.pieces)), keys
 
 
-def _ring_forward(ring: Ring, q, k, v, ops: RingOperands):
-    """`q`, `k`, `v`: tuples over pieces of padded internal-layout arrays."""
+def _ring_forward(ring: Ring, q, k, v, ops: RingOperands, attention=forward):
+    """`q`, `k`, `v`: tuples over pieces of padded internal-layout arrays; `attention`
+    the kernel each chunk pair runs."""
     n, m, variants_of = ring.num_devices, ring.pieces, plan(ring)
     me = jax.lax.axis_index(ring.axis_name)
     pad_k = k[0].shape[2]
@@ -117,7 +137,8 @@ def _ring_forward(ring: Ring, q, k, v, ops: RingOperands):
         for qp in range(m):
             for kp in range(m):
                 variants, table = variants_of[(qp, kp)]
-                branches = [functools.partial(_forward_pair, cfg) for cfg in variants]
+                branches = [functools.partial(_forward_pair, cfg, attention)
+                            for cfg in variants]
                 chunk = src * m + kp  # the key piece's chunk in ring order
                 pair = pair_operands(ops.home[qp], travelling[kp], ops.common, chunk, pad_k,
                                      q_index[qp], key_index(src, kp))
@@ -180,8 +201,9 @@ def _ring_backward(ring: Ring, q, k, v, ops: RingOperands, lse, delta, d_out, wa
     (d_q, _, (d_k, d_v), d_home, d_common), _ = jax.lax.scan(
         step, (d_q, (k, v, ops.travelling), d_kv, d_home, d_common), jnp.arange(n))
 
-    def cast_like(grads, like):
-        return jax.tree.map(lambda g, x: g.astype(x.dtype), grads, like)
+    def cast_like(grads, like):  # (None where a cotangent was not wanted)
+        return jax.tree.map(lambda g, x: None if g is None else g.astype(x.dtype), grads,
+                            like, is_leaf=lambda g: g is None)
 
     d_home = tuple(cast_like(g, h) for g, h in zip(d_home, home_diff, strict=True))
     return (*(cast_like(g, x) for g, x in ((d_q, q), (d_k, k), (d_v, v))), d_home,
@@ -190,6 +212,32 @@ def _ring_backward(ring: Ring, q, k, v, ops: RingOperands, lse, delta, d_out, wa
 
 def _ring_attention(ring: Ring, q, k, v, home_diff, common_diff, const: RingOperands):
     return _ring_forward(ring, q, k, v, join_differentiable(const, home_diff, common_diff))
+
+
+def _ring_attention_tangent(ring, residuals, tangents):
+    """Forward mode: the tangents of `(out, lse, max scores)`, by `jax.jvp` of the ring
+    forward whose chunk pairs carry the single-device derivative rules: each pair's
+    tangent comes from the tangent kernel, and the merges and transfers are
+    differentiated as they are (a ring of tangent partials, in one more pass round the
+    ring beside the primal's). Memory stays that of the forward ring, O(seq / devices)."""
+    q, k, v, home_diff, common_diff, const, *_ = residuals
+    primals = (q, k, v, home_diff, common_diff)
+    leaves, tree = jax.tree.flatten(primals)
+    d_leaves = tree.flatten_up_to(tangents)
+    which = [d is not None for d in d_leaves]
+
+    def ring_of_marked(*marked):
+        it = iter(marked)
+        q, k, v, home, common = jax.tree.unflatten(
+            tree, [next(it) if w else x for x, w in zip(leaves, which, strict=True)])
+        ops = join_differentiable(const, home, common)
+        out, lse, _ = _ring_forward(ring, q, k, v, ops, attention=_pair_with_derivatives)
+        return out, lse
+
+    marked = [x for x, w in zip(leaves, which, strict=True) if w]
+    d_marked = [d for d in d_leaves if d is not None]
+    d_out, d_lse = jax.jvp(ring_of_marked, tuple(marked), tuple(d_marked))[1]
+    return d_out, d_lse, tuple(jnp.zeros_like(x) for x in d_lse)
 
 
 def _ring_attention_bwd(ring, residuals, cotangents, wanted):
@@ -203,19 +251,19 @@ def _ring_attention_bwd(ring, residuals, cotangents, wanted):
     return d_q, d_k, d_v, d_home, d_common
 
 
-_ring_attention_ad = reverse_only(
+_ring_attention_ad = custom_linear(
     _ring_attention,
     lambda ring, args, outs: (*args, *outs),
     _ring_attention_bwd,
-    "forward-mode autodiff (jax.jvp, jax.linearize, jax.jacfwd) is not supported on the "
-    "ring (ring_flash_attention / sharded_flash_attention); reverse mode is. For forward "
-    "mode, use flash_attention (which supports it) without sequence sharding.",
+    "eqx_flash: the ring has no forward mode here",  # never raised: it has `tangent`
     num_diff=5,
     second_order_message=(
         "eqx_flash: second-order derivatives (jax.grad of jax.grad, jax.hessian, "
         "jax.jvp of jax.grad, a loss on a jvp tangent) are not supported on the ring "
-        "(ring_flash_attention / sharded_flash_attention), which has reverse mode "
-        "only. flash_attention without sequence sharding supports them."),
+        "(ring_flash_attention / sharded_flash_attention), which has first-order "
+        "forward and reverse mode. sharded_flash_attention(strategy='ulysses') and "
+        "flash_attention support them."),
+    tangent=_ring_attention_tangent,
 )
 
 

@@ -126,7 +126,8 @@ def sharded_flash_attention(
         `"zigzag"` for causal or windowed attention when the lengths allow (balanced
         work), else `"contiguous"`. Ring only.
     - `strategy`: `"ring"` (default): k and v travel round the devices, each attending
-        its own queries to one shard at a time (reverse mode only); `"ulysses"`
+        its own queries to one shard at a time (first-order derivatives, forward and
+        reverse); `"ulysses"`
         (DeepSpeed-Ulysses): an all-to-all turns the sequence shards of q, k, v into
         head shards, each device runs the single-device kernels on the whole sequence
         for `heads / devices` heads, and a second all-to-all turns the result back. The
