@@ -4,7 +4,8 @@ Run: `python benchmarks/bench_ring.py [--seq 4096] [--memory-seqs 8192,32768]`. 
 script asks XLA for 4 host devices itself (before jax is imported). For plain
 `flash_attention` and for `sharded_flash_attention` with the sequence over 1, 2 and 4
 devices, with `strategy="ring"` and `strategy="ulysses"`, it reports the wall time of one
-forward+backward step at `--seq` (best of `--repeats`), the per-device compiled temp
+forward+backward step at `--seq` (median of `--rounds`, every setup once per round in a
+shuffled order, in one process: `_interleave`), the per-device compiled temp
 memory (`memory_analysis()`, compile only) at each of `--memory-seqs`, and the bytes each
 device sends in the forward at `--seq` (counted from the strategy: the ring passes k and
 v on `devices - 1` times; Ulysses' all-to-alls send `(devices - 1) / devices` of each
@@ -21,29 +22,24 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 
 import argparse  # noqa: E402
-import time  # noqa: E402
+import functools  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _interleave import interleaved_medians  # noqa: E402
+
 import eqx_flash  # noqa: E402
 
 
 def _step(loss):
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-
-
-def _time(loss, args, repeats: int) -> float:
-    compiled = _step(loss).lower(*args).compile()
-    jax.block_until_ready(compiled(*args))
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def _temp_mib(loss, args) -> float:
@@ -109,22 +105,26 @@ def main() -> None:
     parser.add_argument("--memory-seqs", type=str, default="8192,32768")
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
     opts = parser.parse_args()
     memory_seqs = [int(x) for x in opts.memory_seqs.split(",") if x]
     print(f"heads={opts.heads} dim={opts.dim} causal={opts.causal} float32, forward+backward, "
           f"{len(jax.devices())} host devices")
-    header = f"{'setup':<20}{f'time s @{opts.seq}':>16}{f'sent MiB/dev @{opts.seq}':>22}"
-    header += "".join(f"{f'temp MiB/dev @{s}':>22}" for s in memory_seqs)
-    print(header)
-    for name, mesh, loss in _setups(opts.causal):
-        shape = (1, opts.heads, opts.seq, opts.dim)
-        row = f"{name:<20}{_time(loss, _placed(shape, mesh, True), opts.repeats):>16.3f}"
-        row += f"{_sent_mib(name, mesh, shape):>22.1f}"
+    shape = (1, opts.heads, opts.seq, opts.dim)
+    setups = list(_setups(opts.causal))
+    calls = {}
+    for name, mesh, loss in setups:
+        args = _placed(shape, mesh, True)
+        calls[name] = functools.partial(_step(loss).lower(*args).compile(), *args)
+    medians = interleaved_medians(calls, opts.rounds, jax.block_until_ready)
+    header = f"| setup | median s @{opts.seq} | sent MiB/dev @{opts.seq} |"
+    header += "".join(f" temp MiB/dev @{s} |" for s in memory_seqs)
+    print("\n" + header + "\n|---|" + "---:|" * (2 + len(memory_seqs)))
+    for name, mesh, loss in setups:
+        row = f"| {name} | {medians[name]:.3f} | {_sent_mib(name, mesh, shape):.1f} |"
         for seq in memory_seqs:
-            args = _placed((1, opts.heads, seq, opts.dim), mesh, False)
-            row += f"{_temp_mib(loss, args):>22.1f}"
+            row += f" {_temp_mib(loss, _placed((1, opts.heads, seq, opts.dim), mesh, False)):.1f} |"
         print(row, flush=True)
 
 
