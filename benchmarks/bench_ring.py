@@ -3,13 +3,14 @@
 Run: `python benchmarks/bench_ring.py [--seq 4096] [--memory-seqs 8192,32768]`. The
 script asks XLA for 4 host devices itself (before jax is imported). For plain
 `flash_attention` and for `sharded_flash_attention` with the sequence over 1, 2 and 4
-devices, with `strategy="ring"` and `strategy="ulysses"`, it reports the wall time of one
+devices, with `strategy="ring"`, `"ulysses"` and `"all_gather"`, it reports the wall time of one
 forward+backward step at `--seq` (median of `--rounds`, every setup once per round in a
 shuffled order, in one process: `_interleave`), the per-device compiled temp
 memory (`memory_analysis()`, compile only) at each of `--memory-seqs`, and the bytes each
 device sends in the forward at `--seq` (counted from the strategy: the ring passes k and
 v on `devices - 1` times; Ulysses' all-to-alls send `(devices - 1) / devices` of each
-device's q, k, v and output shards).
+device's q, k, v and output shards; the all-gather sends its k and v shards to every
+other device).
 
 Host devices share the machine's cores, so expect memory, not speed, to improve with
 more of them; on real accelerators each device brings its own compute.
@@ -78,6 +79,17 @@ def _setups(causal: bool):
 
         yield f"ulysses, {n} devices", mesh, ulysses
 
+    for n in (2, 4):
+        mesh = Mesh(np.array(jax.devices()[:n]), ("seq",))
+
+        def gathered(q, k, v, mesh=mesh):
+            out, _ = eqx_flash.sharded_flash_attention(
+                q, k, v, mesh=mesh, seq_axis="seq", causal=causal, strategy="all_gather"
+            )
+            return out.sum()
+
+        yield f"all_gather, {n} devices", mesh, gathered
+
 
 def _sent_mib(name: str, mesh, shape) -> float:
     """Bytes one device sends in the forward, in MiB (q, k, v, out alike: float32)."""
@@ -87,6 +99,8 @@ def _sent_mib(name: str, mesh, shape) -> float:
     shard = np.prod(shape) // n * 4
     if name.startswith("ring"):
         return (n - 1) * 2 * shard / 2**20  # k and v, n - 1 hops
+    if name.startswith("all_gather"):
+        return (n - 1) * 2 * shard / 2**20  # its k and v shards to every other device
     return (n - 1) / n * 4 * shard / 2**20  # q, k, v in; out back
 
 

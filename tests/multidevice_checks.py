@@ -574,6 +574,60 @@ def check_ring_forward_mode():
     return results
 
 
+def check_all_gather():
+    """`sharded_flash_attention(strategy="all_gather")` against single-device
+    `flash_attention`, values, gradients, jvp and HVP: causal (zigzag) and windowed with
+    GQA, key mask, segment ids, lengths, bias, ALiBi, sinks, a score_mod and mask_mod on
+    global indices; full attention (contiguous) with seq_q != seq_k; the program's
+    all-gathers."""
+    keys = jax.random.split(jax.random.key(5), 8)
+    table = jax.random.normal(keys[3], (H,))
+    results = {}
+
+    def compare(name, seq_q, seq_k, **options):
+        q = jax.random.normal(keys[0], (B, H, seq_q, D))
+        k, v = (jax.random.normal(x, (B, KH, seq_k, D)) for x in keys[1:3])
+        extra = dict(bias=jax.random.normal(keys[5], (B, H, seq_q, seq_k)),
+                     alibi_slopes=jnp.linspace(0.1, 0.4, H), sinks=jnp.linspace(-1.0, 1.0, H),
+                     mask=jax.random.uniform(keys[4], (B, seq_k)) > 0.2, block_q=8, block_k=8)
+
+        def single(q, k, v):
+            return eqx_flash.flash_attention(q, k, v, **options, **extra)
+
+        def gathered(q, k, v):
+            return eqx_flash.sharded_flash_attention(
+                q, k, v, mesh=_seq_mesh(4), seq_axis="seq", strategy="all_gather", **options,
+                **extra)
+
+        def derivatives(fn):
+            def loss(q, k, v):
+                out, lse = fn(q, k, v)
+                return jnp.sum(jnp.sin(out)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
+            grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+            jvp = jax.jvp(fn, (q, k, v), (jnp.cos(q), k, v))[1]
+            hvp = jax.jvp(jax.grad(loss), (q, k, v), (jnp.cos(q), k, v))[1]
+            return fn(q, k, v), grads, jvp, hvp
+
+        expected = jax.jit(lambda: derivatives(single))()
+        got = jax.jit(lambda: derivatives(gathered))()
+        for part, a, b in zip(("values", "grads", "jvp", "hvp"), expected, got, strict=True):
+            results[f"{name}_{part}"] = max(_max_errors(a, b))
+        text = jax.jit(gathered).lower(q, k, v).as_text()
+        results[f"{name}_all_gather"] = text.count("all_gather") + text.count("all-gather")
+
+    seq = 64
+    ids = jnp.asarray(np.stack([np.arange(seq) * 3 // seq, np.arange(seq) * 2 // seq]),
+                      jnp.int32)
+    compare("causal_everything", seq, seq, causal=True, q_segment_ids=ids, kv_segment_ids=ids,
+            q_lengths=jnp.array([60, 40]), kv_lengths=jnp.array([64, 50]),
+            score_mod=lambda s, b, h, i, j: s + table[h] * 0.01 * (i - j),
+            mask_mod=lambda b, h, i, j: (i + 2 * j) % 7 != 0)
+    compare("window", seq, seq, window=(9, 3), softcap=3.0)
+    compare("full_cross", 32, 64)
+    return results
+
+
 def check_traced_lengths():
     """Out-of-range lengths inside `jax.jit` on multi-device programs: clamped, never an
     abort (an `eqx.error_if` followed by collectives hung, then killed the process).

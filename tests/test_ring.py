@@ -111,6 +111,18 @@ def test_ring_forward_mode_matches_single_device():
 
 
 @pytest.mark.multidevice
+def test_all_gather_matches_single_device():
+    """strategy="all_gather" (zigzag causal with every option, a window, full attention
+    with seq_q != seq_k): values, gradients, jvp and HVP equal single-device
+    flash_attention; the program all-gathers k and v."""
+    result = multidevice("all_gather")
+    for case in ("causal_everything", "window", "full_cross"):
+        for part in ("values", "grads", "jvp", "hvp"):
+            assert result[f"{case}_{part}"] < TOL, (case, part, result)
+        assert result[f"{case}_all_gather"] >= 2, (case, result)
+
+
+@pytest.mark.multidevice
 def test_ulysses_matches_single_device():
     """strategy="ulysses" with every option: values, gradients, jvp and HVP equal
     single-device flash_attention (GQA split, repeated, MQA; batch and heads axes);
@@ -190,11 +202,12 @@ def test_sharded_errors():
 def test_strategy_errors():
     mesh = Mesh(np.array(jax.devices()[:1]), ("seq",))
     x = jnp.zeros((2, 8, 4))
-    with pytest.raises(ValueError, match="strategy must be one of 'ring', 'ulysses'"):
+    with pytest.raises(ValueError,
+                       match="strategy must be one of 'ring', 'ulysses', 'all_gather'"):
         eqx_flash.sharded_flash_attention(x, x, x, mesh=mesh, seq_axis="seq", strategy="tree")
-    with pytest.raises(NotImplementedError, match="all_gather.*not implemented yet"):
+    with pytest.raises(NotImplementedError, match="all_gather.*batch_axis: not yet"):
         eqx_flash.sharded_flash_attention(x, x, x, mesh=mesh, seq_axis="seq",
-                                          strategy="all_gather")
+                                          strategy="all_gather", batch_axis="seq")
     with pytest.raises(NotImplementedError, match="ulysses.*block_mask"):
         bm = eqx_flash.make_block_mask(lambda b, h, i, j: i >= j, (), 2, 8, 8, 8, 8)
         eqx_flash.sharded_flash_attention(x, x, x, mesh=mesh, seq_axis="seq",
@@ -229,6 +242,34 @@ def test_ulysses_on_one_device_is_flash_attention():
         for a, b in zip(jax.tree.leaves(transform(single)), jax.tree.leaves(transform(ulysses)),
                         strict=True):
             np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_all_gather_on_one_device_is_flash_attention():
+    """On a one-device mesh: causal with lengths, ALiBi, a score_mod and mask_mod (moved
+    onto global positions), values, gradients and the jvp as flash_attention's."""
+    mesh = Mesh(np.array(jax.devices()[:1]), ("seq",))
+    rng = np.random.default_rng(1)
+    q = jnp.asarray(rng.standard_normal((2, 4, 24, 8)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((2, 2, 24, 8)), jnp.float32)
+    options = dict(causal=True, window=(7, 0), q_lengths=jnp.array([24, 13]),
+                   kv_lengths=jnp.array([24, 17]), alibi_slopes=jnp.array([0.1, 0.2, 0.3, 0.4]),
+                   score_mod=lambda s, b, h, i, j: s + 0.01 * (h * (i - j)).astype(s.dtype),
+                   mask_mod=lambda b, h, i, j: (i + j) % 5 != 0, block_q=8, block_k=8)
+
+    def single(q):
+        return eqx_flash.flash_attention(q, k, k, **options)
+
+    def gathered(q):
+        return eqx_flash.sharded_flash_attention(q, k, k, mesh=mesh, seq_axis="seq",
+                                                 strategy="all_gather", **options)
+
+    for transform in (lambda f: f(q), lambda f: jax.grad(lambda q: jnp.sum(f(q)[0]))(q),
+                      lambda f: jax.jvp(f, (q,), (jnp.cos(q),))[1]):
+        for a, b in zip(jax.tree.leaves(transform(single)),
+                        jax.tree.leaves(transform(gathered)), strict=True):
+            np.testing.assert_array_equal(np.isneginf(a), np.isneginf(b))
+            finite = np.isfinite(np.asarray(a))
+            np.testing.assert_allclose(np.asarray(a)[finite], np.asarray(b)[finite], atol=1e-5)
 
 
 def test_ring_outside_shard_map():

@@ -47,6 +47,7 @@ from .._core.types import (
 from .._mods.block_mask import BlockMask
 from .._semantics.masking import lengths_or, valid_rows
 from .._semantics.softmax import with_sink
+from .all_gather import all_gather_attention
 from .ring import Ring, ring_attention, ring_of
 from .ring_operands import role_of
 from .sequence_order import (
@@ -59,7 +60,7 @@ from .sequence_order import (
 )
 from .ulysses import ulysses_attention
 
-STRATEGIES = ("ring", "ulysses")
+STRATEGIES = ("ring", "ulysses", "all_gather")
 
 
 @jaxtyped(typechecker=beartype)
@@ -137,6 +138,13 @@ def sharded_flash_attention(
         `flash_attention` — `score_mod` and `mask_mod` too, with global head indices —
         and so do forward mode and second-order derivatives; `block_mask` raises
         `NotImplementedError` (pass the mask_mod alone: each device summarises it).
+        `"all_gather"` (kvax, Llama-3 context parallelism): k and v all-gathered, each
+        device's queries (zigzag-balanced for causal/window) against every key with the
+        single-device kernels; the backward reduce-scatters dk and dv. k and v cost
+        O(seq) per device. Every option works (causal, window and lengths become a
+        `mask_mod` on global positions, ALiBi joins the `score_mod`), and so do forward
+        mode and second order; `block_mask`, `layout`, `batch_axis` and `head_axis`
+        raise `NotImplementedError`.
 
     **Returns:**
 
@@ -150,12 +158,8 @@ def sharded_flash_attention(
     """
     arguments = locals()
     if strategy not in STRATEGIES:
-        if strategy == "all_gather":
-            raise NotImplementedError(
-                "strategy='all_gather' (k and v all-gathered, each device's queries "
-                "against every key) is not implemented yet; use 'ring' or 'ulysses'")
-        raise ValueError(f"strategy must be one of {', '.join(map(repr, STRATEGIES))} "
-                         f"(and 'all_gather', not implemented yet); got {strategy!r}")
+        raise ValueError(f"strategy must be one of {', '.join(map(repr, STRATEGIES))}; "
+                         f"got {strategy!r}")
     if strategy == "ring":
         refuse("sharded_flash_attention", arguments, {name: (
             "use strategy='ulysses' (every option, with global head indices), call "
@@ -163,6 +167,12 @@ def sharded_flash_attention(
             "and mask_mod, at global positions), or use alibi_slopes=/bias= for score "
             "terms and causal=, window=, a key mask or segment ids for masks")
             for name in ("score_mod", "mask_mod", "block_mask")})
+    elif strategy == "all_gather":
+        refuse("sharded_flash_attention(strategy='all_gather')", arguments, {
+            "block_mask": "pass the mask_mod alone (each device summarises it)",
+            "layout": "it balances causal/window work with the zigzag order itself",
+            "batch_axis": "not yet: use strategy='ring' or 'ulysses' with batch_axis",
+            "head_axis": "not yet: use strategy='ring' or 'ulysses' with head_axis"})
     else:
         refuse("sharded_flash_attention(strategy='ulysses')", arguments, {
             "block_mask": "pass the mask_mod alone (each device summarises it for its "
@@ -183,6 +193,8 @@ def sharded_flash_attention(
     if strategy == "ulysses":
         return ulysses_attention(bound, mesh=mesh, seq_axis=seq_axis, batch_axis=batch_axis,
                                  head_axis=head_axis)
+    if strategy == "all_gather":
+        return _all_gather(q, k, v, mask, arguments, bound, mesh, seq_axis)
     n = mesh.shape[seq_axis]
     if layout is None:
         balanced = n > 1 and not bound.options.window.is_unbounded
@@ -202,6 +214,20 @@ def sharded_flash_attention(
     out, lse = with_sink(out, lse, None if ops.sinks is None else ops.sinks[..., 0])
     out, lse = merge_heads(out, lse, shapes)
     return (out, lse, top.reshape(lse.shape)) if bound.return_max_scores else (out, lse)
+
+
+def _all_gather(q, k, v, mask, arguments: dict, bound, mesh: Mesh, seq_axis: str):
+    shapes, window = bound.shapes, bound.options.window
+    n = mesh.shape[seq_axis]
+    zigzag = not window.is_unbounded and shapes.seq_q % (2 * n) == 0
+    for name, seq in (("seq_q", shapes.seq_q), ("seq_k", shapes.seq_k)):
+        if seq % n:
+            raise ValueError(f"strategy='all_gather' splits the sequence over {n} devices; "
+                             f"{name}={seq} is not divisible by {n}")
+    for name in ("q", "k", "v", "mask", "block_mask"):
+        arguments.pop(name, None)
+    return all_gather_attention(q, k, v, mask, arguments, shapes=shapes, window=window,
+                                mesh=mesh, seq_axis=seq_axis, zigzag=zigzag)
 
 
 # Segment ids of padding: no valid row has them, and a padded query's is not a padded key's.
