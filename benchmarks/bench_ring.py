@@ -51,44 +51,24 @@ def _temp_mib(loss, args) -> float:
 
 
 def _setups(causal: bool):
-    """(name, mesh or None, loss) for single-device flash_attention and the ring on 1, 2, 4."""
+    """(name, mesh or None, loss) for single-device flash_attention, the ring on 1, 2, 4
+    devices, and Ulysses and the all-gather on 2, 4."""
 
     def single(q, k, v):
         return eqx_flash.flash_attention(q, k, v, causal=causal)[0].sum()
 
     yield "flash_attention", None, single
-    for n in (1, 2, 4):
-        mesh = Mesh(np.array(jax.devices()[:n]), ("seq",))
+    for strategy, counts in (("ring", (1, 2, 4)), ("ulysses", (2, 4)), ("all_gather", (2, 4))):
+        for n in counts:
+            mesh = Mesh(np.array(jax.devices()[:n]), ("seq",))
 
-        def ring(q, k, v, mesh=mesh):
-            out, _ = eqx_flash.sharded_flash_attention(
-                q, k, v, mesh=mesh, seq_axis="seq", causal=causal
-            )
-            return out.sum()
+            def sharded(q, k, v, mesh=mesh, strategy=strategy):
+                out, _ = eqx_flash.sharded_flash_attention(
+                    q, k, v, mesh=mesh, seq_axis="seq", causal=causal, strategy=strategy
+                )
+                return out.sum()
 
-        yield f"ring, {n} device{'s' * (n > 1)}", mesh, ring
-
-    for n in (2, 4):
-        mesh = Mesh(np.array(jax.devices()[:n]), ("seq",))
-
-        def ulysses(q, k, v, mesh=mesh):
-            out, _ = eqx_flash.sharded_flash_attention(
-                q, k, v, mesh=mesh, seq_axis="seq", causal=causal, strategy="ulysses"
-            )
-            return out.sum()
-
-        yield f"ulysses, {n} devices", mesh, ulysses
-
-    for n in (2, 4):
-        mesh = Mesh(np.array(jax.devices()[:n]), ("seq",))
-
-        def gathered(q, k, v, mesh=mesh):
-            out, _ = eqx_flash.sharded_flash_attention(
-                q, k, v, mesh=mesh, seq_axis="seq", causal=causal, strategy="all_gather"
-            )
-            return out.sum()
-
-        yield f"all_gather, {n} devices", mesh, gathered
+            yield f"{strategy}, {n} device{'s' * (n > 1)}", mesh, sharded
 
 
 def _sent_mib(name: str, mesh, shape) -> float:

@@ -417,6 +417,26 @@ def _max_errors(expected, got) -> list[float]:
     return errors
 
 
+def _derivative_errors(name: str, expected_fn, fn, q, k, v) -> dict:
+    """`{name_values, name_grads, name_jvp, name_hvp: max error}` of `fn(q, k, v) -> (out,
+    lse)` against `expected_fn`: the values, the gradients of a nonlinear loss, a jvp and
+    an HVP (along q, k, v)."""
+    def derivatives(fn):
+        def loss(q, k, v):
+            out, lse = fn(q, k, v)
+            return jnp.sum(jnp.sin(out)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
+        grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+        jvp = jax.jvp(fn, (q, k, v), (jnp.cos(q), k, v))[1]
+        hvp = jax.jvp(jax.grad(loss), (q, k, v), (jnp.cos(q), k, v))[1]
+        return fn(q, k, v), grads, jvp, hvp
+
+    expected = jax.jit(lambda: derivatives(expected_fn))()
+    got = jax.jit(lambda: derivatives(fn))()
+    return {f"{name}_{part}": max(_max_errors(a, b))
+            for part, a, b in zip(("values", "grads", "jvp", "hvp"), expected, got, strict=True)}
+
+
 def check_ulysses():
     """`sharded_flash_attention(strategy="ulysses")` against single-device
     `flash_attention` with every option at once (key mask, causal, window, softcap,
@@ -451,20 +471,7 @@ def check_ulysses():
                 q, k, v, mesh=mesh, seq_axis="seq", strategy="ulysses", **axes, **options,
                 **extra)
 
-        def derivatives(fn):
-            def loss(q, k, v):
-                out, lse = fn(q, k, v)
-                return jnp.sum(jnp.sin(out)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
-
-            grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
-            jvp = jax.jvp(fn, (q, k, v), (jnp.cos(q), k, v))[1]
-            hvp = jax.jvp(jax.grad(loss), (q, k, v), (jnp.cos(q), k, v))[1]
-            return fn(q, k, v), grads, jvp, hvp
-
-        expected = jax.jit(lambda: derivatives(single))()
-        got = jax.jit(lambda: derivatives(ulysses))()
-        for part, a, b in zip(("values", "grads", "jvp", "hvp"), expected, got, strict=True):
-            results[f"{name}_{part}"] = max(_max_errors(a, b))
+        results.update(_derivative_errors(name, single, ulysses, q, k, v))
         text = jax.jit(ulysses).lower(q, k, v).as_text()
         results[f"{name}_all_to_all"] = text.count("all_to_all") + text.count("all-to-all")
 
@@ -599,20 +606,7 @@ def check_all_gather():
                 q, k, v, mesh=_seq_mesh(4), seq_axis="seq", strategy="all_gather", **options,
                 **extra)
 
-        def derivatives(fn):
-            def loss(q, k, v):
-                out, lse = fn(q, k, v)
-                return jnp.sum(jnp.sin(out)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
-
-            grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
-            jvp = jax.jvp(fn, (q, k, v), (jnp.cos(q), k, v))[1]
-            hvp = jax.jvp(jax.grad(loss), (q, k, v), (jnp.cos(q), k, v))[1]
-            return fn(q, k, v), grads, jvp, hvp
-
-        expected = jax.jit(lambda: derivatives(single))()
-        got = jax.jit(lambda: derivatives(gathered))()
-        for part, a, b in zip(("values", "grads", "jvp", "hvp"), expected, got, strict=True):
-            results[f"{name}_{part}"] = max(_max_errors(a, b))
+        results.update(_derivative_errors(name, single, gathered, q, k, v))
         text = jax.jit(gathered).lower(q, k, v).as_text()
         results[f"{name}_all_gather"] = text.count("all_gather") + text.count("all-gather")
 

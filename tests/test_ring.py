@@ -217,6 +217,19 @@ def test_strategy_errors():
                                           strategy="ulysses", layout="zigzag")
 
 
+def _assert_same_first_derivatives(expected_fn, fn, q):
+    """Values, the gradient of `sum(out)` and a jvp along q of `fn(q) -> (out, lse)` as
+    `expected_fn`'s (-inf in the same places)."""
+    for transform in (lambda f: f(q), lambda f: jax.grad(lambda q: jnp.sum(f(q)[0]))(q),
+                      lambda f: jax.jvp(f, (q,), (jnp.cos(q),))[1]):
+        for a, b in zip(jax.tree.leaves(transform(expected_fn)), jax.tree.leaves(transform(fn)),
+                        strict=True):
+            a, b = np.asarray(a), np.asarray(b)
+            np.testing.assert_array_equal(np.isneginf(a), np.isneginf(b))
+            finite = np.isfinite(a)
+            np.testing.assert_allclose(a[finite], b[finite], atol=1e-5)
+
+
 def test_ulysses_on_one_device_is_flash_attention():
     """On a one-device mesh (the all-to-alls are identities): every option, values,
     gradients and the jvp as flash_attention's; a score_mod and mask_mod work (the ring
@@ -237,11 +250,7 @@ def test_ulysses_on_one_device_is_flash_attention():
         return eqx_flash.sharded_flash_attention(q, k, k, mesh=mesh, seq_axis="seq",
                                                  strategy="ulysses", **options)
 
-    for transform in (lambda f: f(q), lambda f: jax.grad(lambda q: jnp.sum(f(q)[0]))(q),
-                      lambda f: jax.jvp(f, (q,), (jnp.cos(q),))[1]):
-        for a, b in zip(jax.tree.leaves(transform(single)), jax.tree.leaves(transform(ulysses)),
-                        strict=True):
-            np.testing.assert_allclose(a, b, atol=1e-5)
+    _assert_same_first_derivatives(single, ulysses, q)
 
 
 def test_all_gather_on_one_device_is_flash_attention():
@@ -263,13 +272,7 @@ def test_all_gather_on_one_device_is_flash_attention():
         return eqx_flash.sharded_flash_attention(q, k, k, mesh=mesh, seq_axis="seq",
                                                  strategy="all_gather", **options)
 
-    for transform in (lambda f: f(q), lambda f: jax.grad(lambda q: jnp.sum(f(q)[0]))(q),
-                      lambda f: jax.jvp(f, (q,), (jnp.cos(q),))[1]):
-        for a, b in zip(jax.tree.leaves(transform(single)),
-                        jax.tree.leaves(transform(gathered)), strict=True):
-            np.testing.assert_array_equal(np.isneginf(a), np.isneginf(b))
-            finite = np.isfinite(np.asarray(a))
-            np.testing.assert_allclose(np.asarray(a)[finite], np.asarray(b)[finite], atol=1e-5)
+    _assert_same_first_derivatives(single, gathered, q)
 
 
 def test_ring_outside_shard_map():

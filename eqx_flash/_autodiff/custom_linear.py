@@ -1,10 +1,9 @@
 """`custom_linear`: a custom-VJP function (the ring) given a forward mode of its own.
 
-A `custom_vjp` function has no forward mode, and JAX's error ("can't apply forward-mode
-autodiff (jvp) to a custom_vjp function") does not say which function or what to do.
-`custom_linear` wraps one in a `custom_jvp` whose tangent is `_linear_p`: evaluating it
-runs the wrapper's `tangent` rule (or raises the wrapper's message when it has none), and
-transposing it runs the function's own backward rule, so `jax.grad` is what it was.
+JAX lets a function have a custom VJP or a custom JVP, not both. `custom_linear` wraps a
+function with a hand-written backward in a `custom_jvp` whose tangent is `_linear_p`:
+evaluating it runs the wrapper's `tangent` rule, and transposing it runs the function's
+own backward rule, so `jax.grad` is what it was.
 
 A derivative of either rule along the residuals would be second order: the residuals pass
 through `stop_gradient`, guarded (`guard`) by the wrapper's `second_order_message`, so a
@@ -25,13 +24,10 @@ from .batching import batch_by_map
 from .guard import add_guard_tangent, derivative_guard, is_zero_tangent
 
 
-def _evaluate(*args, num_in, num_out, message, bwd, res_tree, which, second_order_message,
-              tangent):
+def _evaluate(*args, num_in, num_out, bwd, res_tree, which, second_order_message, tangent):
     """The tangents of the outputs for the non-zero input tangents (after the residuals
     and the outputs)."""
     del bwd, which, second_order_message
-    if tangent is None:
-        raise NotImplementedError(message)
     residuals, _ = jax.tree.unflatten(res_tree, args[:num_in])
     return tangent(residuals, list(args[num_in + num_out :]))
 
@@ -54,22 +50,21 @@ def _jvp(primals, tangents, **params):
     # residual: its tangent is the second-order term.
     if not all(is_zero_tangent(t) for t in tangents[: num_in - 1]):
         raise NotImplementedError(params["second_order_message"])
-    lin, lin_t = primals[num_in + num_out :], tangents[num_in + num_out :]
+    lin_t = tangents[num_in + num_out :]
     z_t = tangents[num_in - 1]
     if all(type(t) is ad.Zero for t in lin_t):
         if is_zero_tangent(z_t):
             return out, [ad.Zero(jax.typeof(x).to_tangent_aval()) for x in out]
         out_t = [jnp.zeros_like(x) for x in out]
     else:  # linear in its linear inputs
-        lin_t = [jnp.zeros_like(x) if type(t) is ad.Zero else t
-                 for t, x in zip(lin_t, lin, strict=True)]
-        out_t = _linear_p.bind(*primals[: num_in + num_out], *lin_t, **params)
+        out_t = _linear_p.bind(*primals[: num_in + num_out], *map(ad.instantiate_zeros, lin_t),
+                               **params)
     return out, add_guard_tangent(out_t, z_t)
 
 
-def _transpose(cts, *args, num_in, num_out, message, bwd, res_tree, which,
-               second_order_message, tangent):
-    del message, tangent
+def _transpose(cts, *args, num_in, num_out, bwd, res_tree, which, second_order_message,
+               tangent):
+    del tangent
     residuals, z = jax.tree.unflatten(res_tree, args[:num_in])
     outs = [jax.typeof(x) for x in args[num_in : num_in + len(cts)]]
     cts = [ad.zeros_like_aval(a) if type(ct) is ad.Zero else ct
@@ -107,16 +102,15 @@ def custom_linear(
     attention: Callable[..., Any],
     residuals: Callable[..., Any],
     bwd: Callable[..., Any],
-    message: str,
+    tangent: Callable[..., Any],
     num_diff: int,
     second_order_message: str,
-    tangent: Callable[..., Any] | None = None,
 ) -> Callable[..., Any]:
     """Wrap `attention(static, *args) -> outputs` (its first `num_diff` arguments are the
     differentiable ones, possibly pytrees) so that reverse mode runs `bwd(static,
     residuals(static, args, outputs), cotangents, wanted)` and forward mode
     `tangent(static, residuals, tangents)` (the outputs' tangents; `tangents` shaped as
-    the differentiable arguments, None where zero), or raises `message` without one.
+    the differentiable arguments, None where zero).
     `wanted` is the differentiable arguments' structure with a bool per leaf (has it a
     non-zero tangent?), so that `bwd` can skip the cotangents nobody asked for (a
     constant bias costs a reduction per block); `bwd` returns the cotangents of those
@@ -147,12 +141,11 @@ def custom_linear(
         # Operands: residuals, then the outputs again (for their avals), then tangents.
         flat = [*res_flat, *(jax.lax.stop_gradient(x) for x in out_leaves), *nonzero]
         d_outs = _linear_p.bind(
-            *flat, num_in=len(res_flat), num_out=len(out_leaves), message=message,
+            *flat, num_in=len(res_flat), num_out=len(out_leaves),
             bwd=functools.partial(_flat_cotangents, bwd, static, out_tree, tangent_tree,
                                   wanted),
             res_tree=res_tree, which=which, second_order_message=second_order_message,
-            tangent=None if tangent is None else functools.partial(
-                _flat_tangents, tangent, static, tangent_tree, which),
+            tangent=functools.partial(_flat_tangents, tangent, static, tangent_tree, which),
         )
         return outs, jax.tree.unflatten(out_tree, d_outs)
 

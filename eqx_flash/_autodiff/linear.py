@@ -18,7 +18,6 @@ operands have no floating leaves, hence no tangents.
 """
 
 import jax
-import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 from jaxtyping import Array
@@ -63,12 +62,6 @@ def _linear_abstract_eval(*args, cfg, which, res_tree, transposed):
 linear_p.def_abstract_eval(_linear_abstract_eval)
 
 
-def _saved_positions(res_tree) -> tuple[int, int]:
-    """The flat positions of the saved `out` and `lse`."""
-    res = jax.tree.unflatten(res_tree, range(res_tree.num_leaves))
-    return res.out, res.lse
-
-
 def _linear_jvp(primals, tangents, *, cfg, which, res_tree, transposed):
     params = dict(cfg=cfg, which=which, res_tree=res_tree, transposed=transposed)
     n = res_tree.num_leaves
@@ -76,13 +69,11 @@ def _linear_jvp(primals, tangents, *, cfg, which, res_tree, transposed):
     terms = []
     lin, lin_t = primals[n:], tangents[n:]
     if not all(type(t) is ad.Zero for t in lin_t):  # linear in its linear inputs
-        lin_t = [jnp.zeros_like(x) if type(t) is ad.Zero else t
-                 for t, x in zip(lin_t, lin, strict=True)]
-        terms.append(linear_p.bind(*primals[:n], *lin_t, **params))
+        terms.append(linear_p.bind(*primals[:n], *map(ad.instantiate_zeros, lin_t), **params))
     res = jax.tree.unflatten(res_tree, primals[:n])
-    # (By position: the tangents may hold symbolic zeros, which are not leaves.)
-    positions = differentiable_leaves(jax.tree.unflatten(res_tree, range(n)))
-    res_t = [tangents[i] for i in positions]
+    # The residuals' flat positions (the tangents may hold symbolic zeros, not leaves).
+    position = jax.tree.unflatten(res_tree, range(n))
+    res_t = [tangents[i] for i in differentiable_leaves(position)]
     moved = tuple(not is_zero_tangent(t) for t in res_t)
     if any(moved):  # along its residuals: second order
         stopped = jax.tree.map(jax.lax.stop_gradient, res)
@@ -90,7 +81,7 @@ def _linear_jvp(primals, tangents, *, cfg, which, res_tree, transposed):
                              *marked(differentiable_leaves(res), moved))
         mode = "backward" if transposed else "tangent"
         # The saved out and lse move by T(x; w): their tangents, when JAX has them.
-        d_saved = [tangents[i] for i in _saved_positions(res_tree)]
+        d_saved = [tangents[position.out], tangents[position.lse]]
         given = None if any(type(t) is ad.Zero for t in d_saved) else d_saved
         terms.append(second_order(cfg, mode, which, moved, (stopped, z), lin,
                                   marked(res_t, moved), given))
@@ -131,4 +122,3 @@ def linear(cfg: KernelConfig, which: tuple[bool, ...], residuals: Residuals,
     flat, res_tree = jax.tree.flatten(residuals)
     return linear_p.bind(*flat, *nonzero, cfg=cfg, which=which, res_tree=res_tree,
                          transposed=False)
-

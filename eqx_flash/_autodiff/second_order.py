@@ -82,10 +82,10 @@ def _second_fn(*args, cfg: KernelConfig, res_tree, mode: Mode, wa, wb, given_mov
     d_out, d_lse = moved if given_moved else apply_tangent(cfg, res, wb, w)
 
     def first_order(x_w, out, lse):
-        moved = with_differentiable(res, wb, x_w)._replace(out=out, lse=lse)
+        shifted = with_differentiable(res, wb, x_w)._replace(out=out, lse=lse)
         if mode == "tangent":
-            return apply_tangent(cfg, moved, wa, a)
-        return apply_backward(cfg, moved, wa, a)
+            return apply_tangent(cfg, shifted, wa, a)
+        return apply_backward(cfg, shifted, wa, a)
 
     primals = (marked(differentiable_leaves(res), wb), res.out, res.lse)
     tangents = (list(w), d_out.astype(res.out.dtype), d_lse.astype(res.lse.dtype))
@@ -109,11 +109,6 @@ def _second_abstract_eval(*args, cfg, res_tree, mode, wa, wb, given_moved) -> li
 second_p.def_abstract_eval(_second_abstract_eval)
 
 
-def _instantiate(ts: Sequence[Any], like: Sequence[Any]) -> list[Any]:
-    return [jnp.zeros_like(x) if type(t) is ad.Zero else t
-            for t, x in zip(ts, like, strict=True)]
-
-
 def _second_jvp(primals, tangents, **params):
     n = params["res_tree"].num_leaves
     out = second_p.bind(*primals, **params)
@@ -126,10 +121,10 @@ def _second_jvp(primals, tangents, **params):
     plain = dict(params, given_moved=False)
     terms = []  # bilinear in (a, b); `moved` is a function of b (module docstring)
     if not all(type(t) is ad.Zero for t in da):
-        terms.append(second_p.bind(*res, *_instantiate(da, a), *b,
+        terms.append(second_p.bind(*res, *map(ad.instantiate_zeros, da), *b,
                                    *primals[n + na + nb :], **params))
     if not all(type(t) is ad.Zero for t in db):
-        terms.append(second_p.bind(*res, *a, *_instantiate(db, b), **plain))
+        terms.append(second_p.bind(*res, *a, *map(ad.instantiate_zeros, db), **plain))
     z_t = tangents[n - 1]
     if not terms:
         if is_zero_tangent(z_t):

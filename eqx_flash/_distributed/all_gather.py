@@ -95,13 +95,12 @@ def all_gather_attention(
     layout = "zigzag" if zigzag else "contiguous"
     q_ids, bias = arguments.pop("q_segment_ids"), arguments.pop("bias")
     score_mod, mask_mod = arguments.pop("score_mod"), arguments.pop("mask_mod")
+    slopes = arguments.pop("alibi_slopes")
     per_row = {
         "q_lengths": _flat(arguments.pop("q_lengths"), shapes.batch_shape),
         "kv_lengths": _flat(arguments.pop("kv_lengths"), shapes.batch_shape),
-        "alibi_slopes": None if arguments.get("alibi_slopes") is None
-        else _per_head(arguments.pop("alibi_slopes"), shapes),
+        "alibi_slopes": None if slopes is None else _per_head(slopes, shapes),
     }
-    arguments.pop("alibi_slopes", None)
     for name in ("causal", "window"):
         arguments.pop(name)
     # The query-side arrays in the layout's order, sharded with the queries.

@@ -255,7 +255,7 @@ _ring_attention_ad = custom_linear(
     _ring_attention,
     lambda ring, args, outs: (*args, *outs),
     _ring_attention_bwd,
-    "eqx_flash: the ring has no forward mode here",  # never raised: it has `tangent`
+    _ring_attention_tangent,
     num_diff=5,
     second_order_message=(
         "eqx_flash: second-order derivatives (jax.grad of jax.grad, jax.hessian, "
@@ -263,7 +263,6 @@ _ring_attention_ad = custom_linear(
         "(ring_flash_attention / sharded_flash_attention), which has first-order "
         "forward and reverse mode. sharded_flash_attention(strategy='ulysses') and "
         "flash_attention support them."),
-    tangent=_ring_attention_tangent,
 )
 
 

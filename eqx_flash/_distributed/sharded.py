@@ -6,7 +6,8 @@ sequence for the chosen layout, runs the ring (`ring.ring_attention`) under
 `jax.shard_map` over the sequence mesh axis (batch and heads may be sharded over other
 axes at the same time), and restores the order. How each operand is sharded and
 reordered follows from its role on the ring (`ring_operands.role_of`). With
-`strategy="ulysses"` it hands the bound call to `ulysses.ulysses_attention`.
+`strategy="ulysses"` it hands the bound call to `ulysses.ulysses_attention`, with
+`strategy="all_gather"` the checked arguments to `all_gather.all_gather_attention`.
 """
 
 import dataclasses
@@ -128,8 +129,8 @@ def sharded_flash_attention(
         work), else `"contiguous"`. Ring only.
     - `strategy`: `"ring"` (default): k and v travel round the devices, each attending
         its own queries to one shard at a time (first-order derivatives, forward and
-        reverse); `"ulysses"`
-        (DeepSpeed-Ulysses): an all-to-all turns the sequence shards of q, k, v into
+        reverse). `"ulysses"` (DeepSpeed-Ulysses): an all-to-all turns the sequence
+        shards of q, k, v into
         head shards, each device runs the single-device kernels on the whole sequence
         for `heads / devices` heads, and a second all-to-all turns the result back. The
         query heads must be divisible by the devices (the seq axis's, times the head

@@ -51,29 +51,19 @@ def _check_heads(shapes, n: int, head_devices: int) -> int:
         f"the kv heads; got heads={heads}, kv_heads={kv_heads}, {devices} devices")
 
 
-def _repeat_kv_heads(ops: Operands, groups: int, repeat: int) -> Operands:
+def _repeat_kv_heads(ops: Operands, kv_heads: int, groups: int, repeat: int) -> Operands:
     """Operands in the internal layout `(batch|1, kv_heads|1, groups|1, ...)` for the kv
-    heads repeated `repeat` times: `(batch|1, kv_heads * repeat, groups / repeat, ...)`."""
+    heads repeated `repeat` times: `(batch|1, kv_heads * repeat, groups / repeat, ...)`.
+    One that varies over the groups has its kv-heads axis spelled out and is reshaped;
+    one that varies over kv heads only is repeated."""
 
     def one(name: str, x: Any) -> Any:
         if layout_of(name) == SHARED or (x.shape[1] == 1 and x.shape[2] == 1):
             return x
         if x.shape[2] == groups and groups > 1:
-            kv = max(x.shape[1], 1)
-            return x.reshape(x.shape[0], kv * repeat, groups // repeat, *x.shape[3:])
+            x = jnp.broadcast_to(x, (x.shape[0], kv_heads, *x.shape[2:]))
+            return x.reshape(x.shape[0], kv_heads * repeat, groups // repeat, *x.shape[3:])
         return jnp.repeat(x, repeat, axis=1)
-
-    return map_fields(one, ops)
-
-
-def _broadcast_kv_axis(ops: Operands, kv_heads: int, groups: int) -> Operands:
-    """An operand varying over groups but broadcasting over kv heads gets the kv-heads
-    axis spelled out, so that it can be reshaped (`_repeat_kv_heads`)."""
-
-    def one(name: str, x: Any) -> Any:
-        if layout_of(name) == SHARED or x.shape[2] != groups or groups == 1:
-            return x
-        return jnp.broadcast_to(x, (x.shape[0], kv_heads, *x.shape[2:]))
 
     return map_fields(one, ops)
 
@@ -114,8 +104,7 @@ def ulysses_attention(bound: Bound, *, mesh: Mesh, seq_axis: Hashable,
     k, v, ops = bound.k, bound.v, bound.operands
     if repeat > 1:
         k, v = (jnp.repeat(x, repeat, axis=-3) for x in (k, v))
-        ops = _repeat_kv_heads(_broadcast_kv_axis(ops, shapes.kv_heads, shapes.groups),
-                               shapes.groups, repeat)
+        ops = _repeat_kv_heads(ops, shapes.kv_heads, shapes.groups, repeat)
     devices = n * head_devices
     local = dataclasses.replace(shapes, heads=shapes.heads // devices,
                                 kv_heads=shapes.kv_heads * repeat // devices)
