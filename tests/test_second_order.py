@@ -391,3 +391,38 @@ def test_ring_second_order_raises_clearly():
         jax.grad(lambda q: jnp.sum(jax.grad(f)(q) ** 2))(q)
     with pytest.raises(NotImplementedError, match="second-order derivatives.*ring"):
         jax.jvp(jax.grad(f), (q,), (q,))
+
+
+def test_decoding_shapes_take_the_split_k_path_at_second_order(monkeypatch):
+    """One query against a long cache with valid lengths (the split-K decoding kernel,
+    checked to run): an HVP and a gradient of a gradient as plain_attention's."""
+    import eqx_flash._api.flash as flash_module
+
+    calls = []
+    split_k_forward = flash_module.split_k_forward
+    monkeypatch.setattr(flash_module, "split_k_forward",
+                        lambda *args: (calls.append(1), split_k_forward(*args))[1])
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((2, 4, 1, 16)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((2, 2, 2048, 16)), jnp.float32)
+    lengths = jnp.array([300, 2048])
+
+    def loss(attention, q, k):
+        return jnp.sum(jnp.sin(attention(q, k, k, kv_lengths=lengths)[0]))
+
+    def hvp(attention):
+        grad = jax.grad(functools.partial(loss, attention), argnums=(0, 1))
+        return jax.jvp(grad, (q, k), (jnp.cos(q), jnp.sin(k)))[1]
+
+    def grad_of_grad(attention):
+        def penalty(k):
+            return jnp.sum(jax.grad(lambda q: loss(attention, q, k))(q) ** 2)
+
+        return jax.grad(penalty)(k)
+
+    for transform in (hvp, grad_of_grad):
+        got = jax.jit(lambda transform=transform: transform(flash_attention))()
+        expected = transform(plain_attention)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+            np.testing.assert_allclose(a, b, atol=2e-5 * max(float(jnp.max(jnp.abs(b))), 1.0))
+    assert calls, "the split-K kernel did not run"
