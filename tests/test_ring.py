@@ -123,6 +123,22 @@ def test_all_gather_matches_single_device():
 
 
 @pytest.mark.multidevice
+def test_positions_match_single_device():
+    """q_positions/kv_positions (#23) on 4 devices: packed documents with restarting
+    positions (causal and ALiBi on them) through the ring in each layout, Ulysses and
+    all_gather, and a causal window on a chunk at an offset with lengths: values,
+    gradients, jvp (and HVP off the ring) equal single-device flash_attention."""
+    result = multidevice("positions")
+    cases = [f"ring_{layout}" for layout in ("contiguous", "zigzag", "striped")]
+    cases += ["ulysses", "all_gather", "ring_offset_lengths", "all_gather_offset_lengths",
+              "ulysses_offset_lengths"]
+    for case in cases:
+        parts = ("values", "grads", "jvp") + (() if case.startswith("ring") else ("hvp",))
+        for part in parts:
+            assert result[f"{case}_{part}"] < TOL, (case, part, result)
+
+
+@pytest.mark.multidevice
 def test_ulysses_matches_single_device():
     """strategy="ulysses" with every option: values, gradients, jvp and HVP equal
     single-device flash_attention (GQA split, repeated, MQA; batch and heads axes);

@@ -58,6 +58,8 @@ def bind(
     kv_segment_ids: ArrayLike | None = None,
     q_lengths: ArrayLike | None = None,
     kv_lengths: ArrayLike | None = None,
+    q_positions: ArrayLike | None = None,
+    kv_positions: ArrayLike | None = None,
     scale: Any = None,
     softcap: Any = None,
     block_q: Any = None,
@@ -91,8 +93,10 @@ def bind(
         shapes, seq_k=key_columns())
     given = dict(mask=mask, attn_mask=attn_mask, q_segment_ids=q_segment_ids,
                  kv_segment_ids=kv_segment_ids, bias=bias, alibi_slopes=alibi_slopes,
-                 sinks=sinks, q_lengths=q_lengths, kv_lengths=kv_lengths)
+                 sinks=sinks, q_lengths=q_lengths, kv_lengths=kv_lengths,
+                 q_positions=q_positions, kv_positions=kv_positions)
     _check_pairs(given, ("q_segment_ids", "kv_segment_ids"))
+    _check_pairs(given, ("q_positions", "kv_positions"))
     fields = {}
     for argument, name in operands_.public_arguments().items():
         kind, value = operands_.kind_of(name), given.get(argument)

@@ -39,12 +39,14 @@ from .._core.types import (
     Flag,
     Key,
     KeyMask,
+    KeyPositions,
     KeySegmentIds,
     Lengths,
     MaskMod,
     OptionalReal,
     PairMask,
     Query,
+    QueryPositions,
     QuerySegmentIds,
     RealNumber,
     ScoreMod,
@@ -79,7 +81,8 @@ def prepare_kernels(bound: Bound) -> tuple[KernelConfig, Operands]:
     arrays and block summary added (`score_mod`/`mask_mod` are traced at the block
     sizes; a call with them runs the regular kernels at those sizes)."""
     shapes, ops = bound.shapes, bound.operands
-    cfg = dataclasses.replace(kernel_config(bound.options, shapes), lengths=ops.has_lengths)
+    cfg = dataclasses.replace(kernel_config(bound.options, shapes), lengths=ops.has_lengths,
+                              positions=ops.has_positions)
     mods, mod_ops = trace_mods(bound.score_mod, bound.mask_mod, shapes.heads, shapes.groups,
                                cfg.block_q, cfg.block_k, stat_dtype(bound.q.dtype))
     ops = combine(ops, mod_ops)
@@ -150,6 +153,8 @@ def flash_attention(
     kv_segment_ids: KeySegmentIds | None = None,
     q_lengths: Lengths | None = None,
     kv_lengths: Lengths | None = None,
+    q_positions: QueryPositions | None = None,
+    kv_positions: KeyPositions | None = None,
     scale: OptionalReal = None,
     softcap: OptionalReal = None,
     block_q: BlockSize = None,
@@ -188,6 +193,16 @@ def flash_attention(
         query head) may hold NaN or inf: it reaches no output and no gradient. Concrete
         lengths outside `[0, seq]` raise; traced ones (under `jax.jit`) are clamped into
         it, since a runtime check could abort a multi-device program.
+    - `q_positions`, `kv_positions`: integer absolute positions `(*batch, [heads,]
+        seq_q|seq_k)` of the queries and keys (packed sequences, chunked prefill,
+        cross-attention with per-sequence offsets: FlashAttention's varlen, tokamax's
+        `q_indices`/`k_indices`). Both or neither. When given, `causal` means
+        `kv_pos <= q_pos`, the window is `q_pos - left <= kv_pos <= q_pos + right`, ALiBi
+        uses `|q_pos - kv_pos|`, and no bottom-right offset applies (positions are
+        absolute; with lengths, the lengths only mark the padding). Key blocks that no
+        query of a block can see by position are skipped at run time. `score_mod` and
+        `mask_mod` keep receiving indices: to use positions there, close over the
+        position arrays and index them with `q_idx`/`kv_idx`.
     - `scale`: logit scale, default `1/sqrt(dim)`.
     - `softcap`: if given, logits become `softcap * tanh(logits / softcap)` after scaling.
     - `block_q`, `block_k`: block sizes; default to values tuned for CPU.

@@ -10,6 +10,7 @@ from beartype import beartype
 from jaxtyping import PRNGKeyArray, jaxtyped
 
 from .._core.config import stat_dtype
+from .._core.options import Window
 from .._core.shapes import merge_heads, split_heads
 from .._core.types import (
     AlibiSlopes,
@@ -18,12 +19,14 @@ from .._core.types import (
     Flag,
     Key,
     KeyMask,
+    KeyPositions,
     KeySegmentIds,
     Lengths,
     MaskMod,
     OptionalReal,
     PairMask,
     Query,
+    QueryPositions,
     QuerySegmentIds,
     RealNumber,
     ScoreMod,
@@ -37,7 +40,9 @@ from .._semantics.dropout import dropout_keep, flat_head_index
 from .._semantics.masking import (
     data_mask,
     length_mask,
+    length_window,
     lengths_or,
+    position_mask,
     positional_mask,
     valid_rows,
 )
@@ -60,6 +65,8 @@ def plain_attention(
     kv_segment_ids: KeySegmentIds | None = None,
     q_lengths: Lengths | None = None,
     kv_lengths: Lengths | None = None,
+    q_positions: QueryPositions | None = None,
+    kv_positions: KeyPositions | None = None,
     scale: OptionalReal = None,
     softcap: OptionalReal = None,
     dropout_rate: RealNumber = 0.0,
@@ -106,16 +113,16 @@ def plain_attention(
     if options.softcap is not None:
         logits = options.softcap * jnp.tanh(logits / options.softcap)
 
-    if ops.has_lengths:  # the window aligns on the valid lengths
+    if ops.has_lengths:  # the window aligns on the valid lengths (or on the positions)
         q_len, kv_len = lengths_or(ops, shapes.seq_q, shapes.seq_k)
-        allowed = length_mask(q_pos, k_pos, q_len, kv_len, options.window)
-    else:
-        allowed = positional_mask(
-            q_pos, k_pos, shapes.seq_k - shapes.seq_q, shapes.seq_k, options.window
-        )
-    data = data_mask(ops, 0, 0, shapes.seq_q, shapes.seq_k)
-    if data is not None:
-        allowed = allowed & data
+        allowed = length_mask(q_pos, k_pos, q_len, kv_len, length_window(ops, options.window))
+    else:  # with positions the window is theirs (below): here only the key range
+        allowed = positional_mask(q_pos, k_pos, shapes.seq_k - shapes.seq_q, shapes.seq_k,
+                                  Window() if ops.has_positions else options.window)
+    for extra in (position_mask(ops, 0, 0, shapes.seq_q, shapes.seq_k, options.window),
+                  data_mask(ops, 0, 0, shapes.seq_q, shapes.seq_k)):
+        if extra is not None:
+            allowed = allowed & extra
     if block_mask is not None:  # checked as the kernels check it, then not needed
         block_flags_for(block_mask, mask_mod, shapes, block_mask.block_q, block_mask.block_k)
     if mask_mod is not None:

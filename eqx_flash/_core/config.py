@@ -59,6 +59,10 @@ class KernelConfig:
     # (`_semantics.masking.length_mask`), so the static band (`band_window`) is unbounded
     # and run-time limits narrow it.
     lengths: bool = False
+    # Positions given (`Operands.q_positions`): causal and the window are measured on them
+    # at run time (`_semantics.masking.position_mask`), so the static band is unbounded
+    # and run-time limits (`_kernels.schedule.position_limits`) narrow it.
+    positions: bool = False
     # Flash-decoding: > 1 splits the key blocks into this many parallel runs whose partial
     # results are merged by their lse (`_kernels.split_k`); 1 is the regular forward.
     splits: int = 1
@@ -87,7 +91,7 @@ class KernelConfig:
     @property
     def band_window(self) -> Window:
         """The window the static schedule and the positional mask use."""
-        return Window(None, None) if self.lengths else self.window
+        return Window(None, None) if self.lengths or self.positions else self.window
 
 
 def kernel_config(options: AttentionOptions, shapes: Shapes) -> KernelConfig:

@@ -65,6 +65,11 @@ class Operands(eqx.Module):
     pair_mask: Any = _operand(GRID, argument="attn_mask", kind="pairs")
     q_segment_ids: Any = _operand(GRID, argument="q_segment_ids", kind="query_ids")
     kv_segment_ids: Any = _operand(GRID, argument="kv_segment_ids", kind="key_ids")
+    # Absolute positions of the rows and columns (packed sequences, chunked prefill):
+    # causal, the window and ALiBi are measured on them instead of on indices
+    # (`_semantics.masking.position_mask`), int32 `(.., seq_q, 1)` / `(.., 1, seq_k)`.
+    q_positions: Any = _operand(GRID, argument="q_positions", kind="query_ids")
+    kv_positions: Any = _operand(GRID, argument="kv_positions", kind="key_ids")
     # Terms added to the logits (`_semantics.score_terms`).
     bias: Any = _operand(GRID, argument="bias", kind="float_pairs",
                                   differentiable=True)
@@ -97,8 +102,15 @@ class Operands(eqx.Module):
         return self.q_lengths is not None or self.kv_lengths is not None
 
     @property
+    def has_positions(self) -> bool:
+        return self.q_positions is not None
+
+    @property
     def has_data_mask(self) -> bool:
-        """Whether a mask known only at run time may empty a block (`tile.skip_if_empty`)."""
+        """Whether a mask known only at run time may empty a block (`tile.skip_if_empty`).
+        Positions are not counted: their run-time limits (`schedule.position_limits`)
+        already skip the blocks they empty, and a check per partial block would cost
+        more than the rare empty one it saves (measured 1.12x on a causal window)."""
         return any(x is not None for x in (
             self.key_mask, self.pair_mask, self.q_segment_ids, self.kv_segment_ids,
             self.q_lengths, self.kv_lengths))

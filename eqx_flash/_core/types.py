@@ -60,6 +60,10 @@ RingBias: TypeAlias = Float[AnyArray, "... #seq_q #global_seq_k"]
 AlibiSlopes: TypeAlias = Float[AnyArray, "..."]
 Sinks: TypeAlias = Float[AnyArray, "..."]
 KeySegmentIds: TypeAlias = Integer[AnyArray, "... seq_k"]
+# Absolute positions `(*batch, [heads,] seq)`: any dtype here, so that `_api.binder`
+# names the argument in its message for a non-integer one.
+QueryPositions: TypeAlias = Shaped[AnyArray, "... seq_q"]
+KeyPositions: TypeAlias = Shaped[AnyArray, "... seq_k"]
 # `score_mod(score, batch, head, q_idx, kv_idx) -> score` and `mask_mod(batch, head,
 # q_idx, kv_idx) -> bool` (`_mods`): any callable, a PyTree such as an `eqx.Module` too.
 ScoreMod: TypeAlias = Callable[..., Any]

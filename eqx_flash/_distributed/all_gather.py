@@ -11,7 +11,9 @@ A device's queries sit at a global offset known only at run time (its axis index
 what depends on query positions is restated on global positions: causal, the window and
 valid lengths become one `mask_mod` (whose block summary skips the blocks it empties),
 ALiBi joins the `score_mod`, and a user's `score_mod`/`mask_mod` are called with global
-query indices. For causal or windowed attention the queries are balanced with the zigzag
+query indices. With `q_positions`/`kv_positions`, causal, the window and ALiBi are
+measured on those and pass through (the query positions sharded with the queries). For
+causal or windowed attention the queries are balanced with the zigzag
 layout (device `d` holds chunks `d` and `2n - 1 - d`), each chunk attended on its own.
 """
 
@@ -94,15 +96,22 @@ def all_gather_attention(
     chunk = shapes.seq_q // (n * pieces)
     layout = "zigzag" if zigzag else "contiguous"
     q_ids, bias = arguments.pop("q_segment_ids"), arguments.pop("bias")
+    q_positions = arguments.pop("q_positions")
     score_mod, mask_mod = arguments.pop("score_mod"), arguments.pop("mask_mod")
-    slopes = arguments.pop("alibi_slopes")
+    # With positions, causal, the window and ALiBi are measured on them, not on the
+    # device's offset: they pass through, and only the lengths become a mask_mod.
+    by_position = q_positions is not None
+    slopes = None if by_position else arguments.pop("alibi_slopes")
     per_row = {
         "q_lengths": _flat(arguments.pop("q_lengths"), shapes.batch_shape),
         "kv_lengths": _flat(arguments.pop("kv_lengths"), shapes.batch_shape),
         "alibi_slopes": None if slopes is None else _per_head(slopes, shapes),
     }
-    for name in ("causal", "window"):
-        arguments.pop(name)
+    if by_position:
+        window = Window()
+    else:
+        for name in ("causal", "window"):
+            arguments.pop(name)
     # The query-side arrays in the layout's order, sharded with the queries.
     rows_bias = bias is not None and jnp.ndim(bias) >= 2 and jnp.shape(bias)[-2] != 1
 
@@ -111,6 +120,7 @@ def all_gather_attention(
 
     q = order(q, -2)
     q_ids = None if q_ids is None else order(jnp.asarray(q_ids), -1)
+    q_positions = None if q_positions is None else order(jnp.asarray(q_positions), -1)
     if rows_bias:
         bias = order(jnp.asarray(bias), -2)
 
@@ -127,7 +137,7 @@ def all_gather_attention(
     static = {n: x for n, x in arguments.items() if n not in arrays}
     replicated = jax.tree.map(lambda _: PartitionSpec(), (mask, per_row, arrays))
 
-    def body(q, k, v, mask, q_ids, bias, per_row, arrays):
+    def body(q, k, v, mask, q_ids, q_positions, bias, per_row, arrays):
         k, v = (jax.lax.all_gather(x, seq_axis, axis=x.ndim - 2, tiled=True) for x in (k, v))
         me = jax.lax.axis_index(seq_axis)
         results = []
@@ -143,7 +153,7 @@ def all_gather_attention(
 
             results.append(flash_attention(
                 jax.lax.slice_in_dim(q, start, start + chunk, axis=q.ndim - 2), k, v, mask,
-                q_segment_ids=rows_of(q_ids, -1),
+                q_segment_ids=rows_of(q_ids, -1), q_positions=rows_of(q_positions, -1),
                 bias=rows_of(bias, -2) if rows_bias else bias, score_mod=score,
                 mask_mod=masked, **arrays, **static))
         if pieces == 1:
@@ -156,11 +166,12 @@ def all_gather_attention(
     mapped = jax.shard_map(
         body, mesh=mesh,
         in_specs=(spec(q, -2), spec(k, -2), spec(v, -2), replicated[0], spec(q_ids, -1),
-                  spec(bias, -2 if rows_bias else None), replicated[1], replicated[2]),
+                  spec(q_positions, -1), spec(bias, -2 if rows_bias else None), replicated[1],
+                  replicated[2]),
         out_specs=(spec(q, -2), *([spec(q[..., 0], -1)] * stats)),
         check_vma=False,  # the blockwise kernels create unsharded accumulators
     )
-    results = mapped(q, k, v, mask, q_ids, bias, per_row, arrays)
+    results = mapped(q, k, v, mask, q_ids, q_positions, bias, per_row, arrays)
     out, *rest = results
     out = from_ring_layout(out, num_devices=n, layout=layout, axis=-2)
     rest = [from_ring_layout(x, num_devices=n, layout=layout, axis=-1) for x in rest]

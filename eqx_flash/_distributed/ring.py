@@ -42,10 +42,12 @@ from .._core.types import (
     Flag,
     Key,
     KeyMask,
+    KeyPositions,
     KeySegmentIds,
     MaskMod,
     OptionalReal,
     Query,
+    QueryPositions,
     QuerySegmentIds,
     RingBias,
     ScoreMod,
@@ -278,6 +280,8 @@ def ring_flash_attention(
     window: WindowLike = None,
     q_segment_ids: QuerySegmentIds | None = None,
     kv_segment_ids: KeySegmentIds | None = None,
+    q_positions: QueryPositions | None = None,
+    kv_positions: KeyPositions | None = None,
     scale: OptionalReal = None,
     softcap: OptionalReal = None,
     block_q: BlockSize = None,
@@ -305,6 +309,11 @@ def ring_flash_attention(
     - `q`, `k`, `v`, `mask`, `causal`, `window`, `q_segment_ids`, `kv_segment_ids`,
         `scale`, `softcap`: as in `flash_attention`, but each device passes its local
         shard. Causal and window are bottom-right aligned on the *global* sequence.
+    - `q_positions`, `kv_positions`: as in `flash_attention`, this device's shards (in
+        ring order, as q and k): causal, the window and ALiBi are measured on them. The
+        key positions travel round the ring with k and v; every chunk pair runs (no
+        static skipping), and key blocks no query can see by position are skipped at
+        run time.
     - `bias`: as in `flash_attention`, for this device's queries against *all* keys:
         broadcastable to `(*batch, heads, local seq_q, global seq_k)`, the key columns
         in ring order (`to_ring_layout(bias, axis=-1)`, the order of the key shards
@@ -402,7 +411,8 @@ def ring_of(bound: Bound, axis_name: Hashable, n: int, layout: Layout, local: An
     mods, mod_ops = trace_mods(bound.score_mod, bound.mask_mod, shapes.heads, shapes.groups,
                                base.block_q, base.block_k, stat_dtype(bound.q.dtype))
     # ALiBi aligns the global indices on the global sequence (`ring_operands`).
-    base = dataclasses.replace(base, mods=mods, alibi_offset=n * (shapes.seq_k - shapes.seq_q))
+    base = dataclasses.replace(base, mods=mods, alibi_offset=n * (shapes.seq_k - shapes.seq_q),
+                               positions=bound.operands.has_positions)
     return Ring(axis_name=axis_name, num_devices=n, layout=layout, base=base), mod_ops
 
 

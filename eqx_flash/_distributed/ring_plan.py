@@ -42,6 +42,8 @@ def pair_config(ring: Ring, a: int, qp: int, b: int, kp: int) -> KernelConfig | 
     """Kernel config for query piece `qp` of device `a` against key piece `kp` of device `b`:
     None if no pair attends, an unmasked config if all do, else a positioned one."""
     n, base = ring.num_devices, ring.base
+    if base.positions:  # the window is measured on the positions, at run time
+        return base
     cq, ck, win = base.seq_q, base.seq_k, base.window
     if ring.layout == "striped":
         # Device a holds global tokens a + n*r. In local indices the global window

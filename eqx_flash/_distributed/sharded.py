@@ -34,11 +34,13 @@ from .._core.types import (
     Flag,
     Key,
     KeyMask,
+    KeyPositions,
     KeySegmentIds,
     Lengths,
     MaskMod,
     OptionalReal,
     Query,
+    QueryPositions,
     QuerySegmentIds,
     ScoreMod,
     Sinks,
@@ -82,6 +84,8 @@ def sharded_flash_attention(
     kv_segment_ids: KeySegmentIds | None = None,
     q_lengths: Lengths | None = None,
     kv_lengths: Lengths | None = None,
+    q_positions: QueryPositions | None = None,
+    kv_positions: KeyPositions | None = None,
     scale: OptionalReal = None,
     softcap: OptionalReal = None,
     block_q: BlockSize = None,
@@ -110,8 +114,14 @@ def sharded_flash_attention(
         value check may abort a multi-device program, the lengths are shrunk to the
         largest pair with that difference (`q_lengths = min(q_lengths, kv_lengths -
         (seq_k - seq_q))`, `kv_lengths = min(kv_lengths, q_lengths + (seq_k - seq_q))`),
-        giving `flash_attention`'s result for those lengths. Lengths outside `[0, seq]`
+        giving `flash_attention`'s result for those lengths (with positions no such
+        condition: the lengths only mark the padding). Lengths outside `[0, seq]`
         are clamped under `jax.jit` as in `flash_attention`.
+    - `q_positions`, `kv_positions`: as in `flash_attention` (global arrays), under
+        every strategy: the ring carries the key positions with k and v and runs every
+        chunk pair (blocks out of reach skipped at run time), Ulysses hands each device
+        the whole sequence's positions, all_gather shards the query positions with the
+        queries.
     - `sinks`: as in `flash_attention`, counted once per row; differentiable.
     - `return_max_scores`: as in `flash_attention`, reduced over the ring.
     - `bias`, `alibi_slopes`: as in `flash_attention` (global arrays; ALiBi at global
@@ -241,7 +251,8 @@ def _lengths_as_segment_ids(shapes: Shapes, options: AttentionOptions, q, k, v,
     """Valid lengths as segment ids the ring already carries, with the padded rows of q,
     k, v zeroed (`valid_rows`: NaN padding reaches nothing). Internal layout."""
     q_len, kv_len = lengths_or(ops, shapes.seq_q, shapes.seq_k)
-    if not options.window.is_unbounded:  # causal too: the ring aligns on the global lengths
+    if not options.window.is_unbounded and not ops.has_positions:
+        # Causal too: the ring aligns on the global lengths (positions place it themselves).
         offset = shapes.seq_k - shapes.seq_q
         message = (
             f"sharded_flash_attention with causal/window needs kv_lengths - q_lengths == "

@@ -4,8 +4,8 @@ Causal and window masks are known at trace time, so the pairs they empty are nev
 computed (forward or backward), and pairs they leave whole need no positional mask.
 The non-empty key blocks of a query block form one contiguous range (the mask is a band),
 and the whole ones a contiguous sub-range of it; `band_ranges` gives both per block.
-Segment ids narrow each band at run time (`segment_limits`); `over_band` folds a step
-over what remains.
+Segment ids, positions and lengths narrow each band at run time (`run_limits`);
+`over_band` folds a step over what remains.
 """
 
 from collections.abc import Callable
@@ -20,7 +20,7 @@ from .._core.config import KernelConfig
 from .._core.operands import Operands
 from .._core.options import Window
 from .._mods.block_mask import EMPTY, FULL
-from .._semantics.masking import lengths_or
+from .._semantics.masking import length_window, lengths_or
 
 
 class Schedule(NamedTuple):
@@ -101,6 +101,18 @@ def band_ranges(cfg: KernelConfig, by: str) -> Bands:
     return _bands(nonempty, full)
 
 
+def _block_ranges(ids: Array, seq: int, block: int) -> tuple[Array, Array, Array]:
+    """`(min, max, real)` of one head's per-position integers `ids` (segment ids or
+    positions, `(groups|1, seq_pad, 1)` or `(groups|1, 1, seq_pad)`) over each block,
+    `(num_blocks,)`, ignoring padded positions; `real`: the block has a real position."""
+    ids = jnp.moveaxis(ids.reshape(ids.shape[0], -1), 1, 0)  # (seq_pad, groups|1)
+    real = (jnp.arange(ids.shape[0]) < seq)[:, None]
+    info = jnp.iinfo(ids.dtype)
+    lo = jnp.where(real, ids, info.max).reshape(-1, block * ids.shape[1]).min(axis=1)
+    hi = jnp.where(real, ids, info.min).reshape(-1, block * ids.shape[1]).max(axis=1)
+    return lo, hi, real.reshape(-1, block).any(axis=1)
+
+
 def segment_limits(cfg: KernelConfig, ops: Operands, by: str) -> tuple[Array, Array] | None:
     """Per outer block, the inner blocks `[lo, hi)` that segment ids can let attend
     (None without segment ids): a run-time refinement of the static band.
@@ -113,20 +125,41 @@ def segment_limits(cfg: KernelConfig, ops: Operands, by: str) -> tuple[Array, Ar
     qs, ks = ops.q_segment_ids, ops.kv_segment_ids
     if qs is None or ks is None or qs.shape[-2] == 1 or ks.shape[-1] == 1:
         return None
-
-    def block_ranges(ids: Array, seq: int, block: int) -> tuple[Array, Array]:
-        """(min, max) id of each block, `(num_blocks,)`, ignoring padded positions."""
-        ids = jnp.moveaxis(ids.reshape(ids.shape[0], -1), 1, 0)  # (seq_pad, groups|1)
-        real = (jnp.arange(ids.shape[0]) < seq)[:, None]
-        info = jnp.iinfo(ids.dtype)
-        lo = jnp.where(real, ids, info.max).reshape(-1, block * ids.shape[1]).min(axis=1)
-        hi = jnp.where(real, ids, info.min).reshape(-1, block * ids.shape[1]).max(axis=1)
-        return lo, hi
-
-    q_lo, q_hi = block_ranges(qs, cfg.seq_q, cfg.block_q)
-    k_lo, k_hi = block_ranges(ks, cfg.seq_k, cfg.block_k)
+    q_lo, q_hi, _ = _block_ranges(qs, cfg.seq_q, cfg.block_q)
+    k_lo, k_hi, _ = _block_ranges(ks, cfg.seq_k, cfg.block_k)
     overlap = (k_lo[None, :] <= q_hi[:, None]) & (k_hi[None, :] >= q_lo[:, None])
     return _interval(overlap.T if by == "k" else overlap)
+
+
+def position_limits(cfg: KernelConfig, ops: Operands, by: str
+                    ) -> tuple[Array, Array, Array, Array] | None:
+    """Per outer block, the inner blocks `[lo, hi)` whose positions the window (causal:
+    `right=0`) can let attend, and the run `[full_lo, full_hi)` of them it lets attend
+    whole (None without positions or a window). A key block whose positions all lie
+    outside `[min q - left, max q + right]` of a query block is never visited, and one
+    inside `[max q - left, min q + right]` skips the mask, so causal attention on
+    positions does the work of `causal=True`. As for segment ids, the visiting test is
+    necessary and the mask (`position_mask`) decides exactly; the whole run is exact."""
+    window = cfg.window
+    if not ops.has_positions or window.is_unbounded:
+        return None
+    q_lo, q_hi, q_real = _block_ranges(ops.q_positions, cfg.seq_q, cfg.block_q)
+    k_lo, k_hi, k_real = _block_ranges(ops.kv_positions, cfg.seq_k, cfg.block_k)
+    pairs = q_real[:, None] & k_real[None, :]
+    full = pairs
+    if window.left is not None:  # some key at or after the first query's reach
+        pairs &= k_hi[None, :] >= q_lo[:, None] - window.left
+        full &= k_lo[None, :] >= q_hi[:, None] - window.left
+    if window.right is not None:
+        pairs &= k_lo[None, :] <= q_hi[:, None] + window.right
+        full &= k_hi[None, :] <= q_lo[:, None] + window.right
+    if by == "k":
+        pairs, full = pairs.T, full.T
+    lo, hi = _interval(pairs)
+    full_lo, full_hi = _interval(full)
+    # Only a run of whole blocks can skip the mask (unsorted positions may leave gaps).
+    run = jnp.sum(full, axis=1, dtype=jnp.int32) == full_hi - full_lo
+    return lo, hi, jnp.where(run, full_lo, lo), jnp.where(run, full_hi, lo)
 
 
 def _interval(pairs: Array) -> tuple[Array, Array]:
@@ -160,7 +193,8 @@ def length_limits(cfg: KernelConfig, ops: Operands, by: str) -> tuple[Array, Arr
         return None
     q_len, kv_len = (jnp.asarray(x, jnp.int32).reshape(())
                      for x in lengths_or(ops, cfg.seq_q, cfg.seq_k))
-    left, right = cfg.window.left, cfg.window.right
+    window = length_window(ops, cfg.window)
+    left, right = window.left, window.right
     offset = kv_len - q_len
     bq, bk = cfg.block_q, cfg.block_k
     if by == "q":
@@ -189,13 +223,19 @@ class Limits(NamedTuple):
     hi: Array
     # A `block_mask`'s flags, `[n_outer, n_inner]` int8 (`oriented_flags`), or None.
     flags: Array | None = None
+    # With positions and a window (`position_limits`): per outer block, the run
+    # [full_lo, full_hi) that attends whole by position (the rest needs the mask).
+    full_lo: Array | None = None
+    full_hi: Array | None = None
 
 
 def run_limits(cfg: KernelConfig, ops: Operands, by: str) -> Limits | None:
-    """`segment_limits` and `length_limits` intersected, with the `block_mask`'s flags
-    (None when none applies)."""
-    found = [x for x in (segment_limits(cfg, ops, by), length_limits(cfg, ops, by))
-             if x is not None]
+    """`segment_limits`, `position_limits` and `length_limits` intersected, with the
+    `block_mask`'s flags and the run that is whole by position (None when none
+    applies)."""
+    by_position = position_limits(cfg, ops, by)
+    found = [x for x in (segment_limits(cfg, ops, by), by_position and by_position[:2],
+                         length_limits(cfg, ops, by)) if x is not None]
     flags = oriented_flags(ops, by)
     if not found:
         if flags is None:
@@ -205,7 +245,18 @@ def run_limits(cfg: KernelConfig, ops: Operands, by: str) -> Limits | None:
     lo, hi = found[0]
     for other_lo, other_hi in found[1:]:
         lo, hi = jnp.maximum(lo, other_lo), jnp.minimum(hi, other_hi)
-    return Limits(lo, jnp.maximum(hi, lo), flags)
+    full = (None, None) if by_position is None else by_position[2:]
+    return Limits(lo, jnp.maximum(hi, lo), flags, *full)
+
+
+def _whole_run(full_lo: Array, full_hi: Array, limits: Limits | None, outer: Array
+               ) -> tuple[Array, Array]:
+    """The static whole run `[full_lo, full_hi)` of one outer block intersected with the
+    run that is whole by position (`Limits.full_lo`), if any."""
+    if limits is None or limits.full_lo is None or limits.full_hi is None:
+        return full_lo, full_hi
+    new_lo = jnp.clip(limits.full_lo[outer], full_lo, full_hi)
+    return new_lo, jnp.clip(limits.full_hi[outer], new_lo, full_hi)
 
 
 def over_band(
@@ -224,9 +275,11 @@ def over_band(
     if limits is not None:
         ends = [jnp.clip(x, limits.lo[outer], limits.hi[outer]) for x in ends]
     lo, full_lo, full_hi, hi = ends
+    full_lo, full_hi = _whole_run(full_lo, full_hi, limits, outer)
+    by_position = limits is not None and limits.full_lo is not None
     if int(np.max(bands.full_hi - bands.full_lo, initial=0)) > 0:
         carry = jax.lax.fori_loop(full_lo, full_hi, lambda j, c: step(c, j, False), carry)
-    if bands.max_partial > 0:
+    if bands.max_partial > 0 or by_position:
         n_left = full_lo - lo
 
         def partial(t, c):
@@ -246,6 +299,7 @@ def _over_listed(
     and `kv_indices`. Two branch-free loops over the list: a per-block `lax.cond` on
     the flag would move the accumulators in and out of a separate computation."""
     lo, full_lo, full_hi, hi = (jnp.asarray(x)[outer] for x in bands)
+    full_lo, full_hi = _whole_run(full_lo, full_hi, limits, outer)
     lo, hi = jnp.maximum(lo, limits.lo[outer]), jnp.minimum(hi, limits.hi[outer])
     inner = jnp.arange(flags.shape[1], dtype=jnp.int32)
     flag = flags[outer]

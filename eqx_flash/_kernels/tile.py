@@ -19,7 +19,14 @@ from .._core.config import KernelConfig, stat_dtype
 from .._core.operands import Operands
 from .._mods.tracing import apply_mask_mod, apply_score_mod, mod_indices
 from .._semantics.dropout import dropout_keep
-from .._semantics.masking import data_mask, length_mask, lengths_or, positional_mask
+from .._semantics.masking import (
+    data_mask,
+    length_mask,
+    length_window,
+    lengths_or,
+    position_mask,
+    positional_mask,
+)
 from .._semantics.score_terms import additive, block_indices
 from .heads import Head
 
@@ -151,9 +158,15 @@ def allowed(
     if positional:
         pos = positional_mask(q_pos, k_pos, cfg.offset, cfg.seq_k, cfg.band_window)
         mask = pos if mask is None else mask & pos
+        # With positions and a window, `masked` also says the block is not whole by
+        # position (`schedule.position_limits`).
+        by_position = position_mask(ops, q_start, k_start, cfg.block_q, cfg.block_k,
+                                     cfg.window)
+        if by_position is not None:
+            mask = mask & by_position
     if ops.has_lengths:
         q_len, kv_len = lengths_or(ops, cfg.seq_q, cfg.seq_k)
-        by_length = length_mask(q_pos, k_pos, q_len, kv_len, cfg.window)
+        by_length = length_mask(q_pos, k_pos, q_len, kv_len, length_window(ops, cfg.window))
         mask = by_length if mask is None else mask & by_length
     return mask
 

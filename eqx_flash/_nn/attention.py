@@ -12,9 +12,11 @@ from .._core.types import (
     Bias,
     BlockSize,
     Flag,
+    KeyPositions,
     Lengths,
     MaskMod,
     OptionalReal,
+    QueryPositions,
     RealNumber,
     ScoreMod,
     Sinks,
@@ -110,6 +112,8 @@ class FlashAttention(eqx.Module):
         inference: bool | None = None,
         q_lengths: Lengths | None = None,
         kv_lengths: Lengths | None = None,
+        q_positions: QueryPositions | None = None,
+        kv_positions: KeyPositions | None = None,
         bias: Bias | None = None,
         alibi_slopes: AlibiSlopes | None = None,
         sinks: Sinks | None = None,
@@ -131,6 +135,9 @@ class FlashAttention(eqx.Module):
         - `q_lengths`, `kv_lengths`, `bias`, `alibi_slopes`: as in `flash_attention`, for
             this one example: the lengths are integer scalars (`vmap` them with the batch),
             `bias` broadcasts to `(heads, seq_q, seq_k)`, `alibi_slopes` is `(heads,)`.
+        - `q_positions`, `kv_positions`: `(seq_q,)`, `(seq_k,)` (or per head), absolute
+            positions as in `flash_attention`: causal, the window and ALiBi measured on
+            them (packed sequences, chunked prefill).
         - `sinks`: `(heads,)`, as in `flash_attention` (a trained sink is a parameter of
             the enclosing model, passed here each call).
         - `score_mod`, `mask_mod`: for this call instead of the module's.
@@ -148,7 +155,9 @@ class FlashAttention(eqx.Module):
         rate = dropout_rate("dropout_p", self.dropout_p, inference, key)
         return attend_heads(
             q, k, v, mask, static_options(self), rate, key,
-            per_call_arrays(self, q_lengths, kv_lengths, bias, alibi_slopes, sinks,
-                            score_mod, mask_mod, block_mask),
+            per_call_arrays(self, score_mod, mask_mod, q_lengths=q_lengths,
+                            kv_lengths=kv_lengths, q_positions=q_positions,
+                            kv_positions=kv_positions, bias=bias, alibi_slopes=alibi_slopes,
+                            sinks=sinks, block_mask=block_mask),
             return_max_scores,
         )

@@ -59,12 +59,11 @@ def decode_with_cache(layer: Any, x: Array, cache: KVCache, process_heads: Any
             # A cache run past `max_len` on several devices (see `KVCache.append`).
             heads = jnp.where(cache.length > cache.size, jnp.nan, heads)
         else:
-            window = _check_rolling(layer, cache)
-            # Attend to the buffer and the new tokens by absolute position, then write.
+            _check_rolling(layer, cache)
+            # Attend to the buffer and the new tokens by absolute position (causal and
+            # the window measured on them, key blocks out of reach skipped), then write.
             key_pos = jnp.concatenate([cache.positions(), positions])
-            rel = positions[:, None] - key_pos[None, :]
             written = key_pos >= 0
-            allowed = written[None, :] & (rel >= 0) & (rel <= window.left)
             # A slot never written holds whatever the buffer was made with (NaN from a
             # donated or uninitialised buffer): masking it is not enough (0 * NaN in
             # p @ v), so its keys and values are zeroed; fused into the concatenation.
@@ -73,8 +72,9 @@ def decode_with_cache(layer: Any, x: Array, cache: KVCache, process_heads: Any
                 return jnp.where(written[None, :, None], both, jnp.zeros((), both.dtype))
 
             heads, _ = flash_attention(
-                q, attended(cache.k, k), attended(cache.v, v),
-                attn_mask=allowed, **blocks,
+                q, attended(cache.k, k), attended(cache.v, v), written,
+                q_positions=positions, kv_positions=key_pos, causal=layer.causal,
+                window=layer.window, **blocks,
                 **_mods_at(layer, positions[0], jnp.maximum(key_pos, 0)),
             )
             cache = cache.append(k, v)

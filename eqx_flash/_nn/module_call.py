@@ -14,8 +14,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .._api.flash import flash_attention
 from .._core.options import KERNEL_OPTIONS, check_rate
-from .._core.types import AlibiSlopes, Bias, Lengths, MaskMod, ScoreMod, Sinks
-from .._mods.block_mask import BlockMask
+from .._core.types import MaskMod, ScoreMod
 
 # `(seq_k,)` key padding, `(seq_q, seq_k)` shared by all heads, or one per head.
 Mask = Bool[Array, "seq_k"] | Bool[Array, "seq_q seq_k"] | Bool[Array, "heads seq_q seq_k"]
@@ -84,20 +83,13 @@ def dropout_rate(name: str, p: Any, inference: bool, key: PRNGKeyArray | None) -
     return rate
 
 
-def per_call_arrays(
-    module: Any, q_lengths: Lengths | None, kv_lengths: Lengths | None, bias: Bias | None,
-    alibi_slopes: AlibiSlopes | None, sinks: Sinks | None, score_mod: ScoreMod | None,
-    mask_mod: MaskMod | None, block_mask: BlockMask | None,
-) -> dict[str, Any]:
-    """`flash_attention`'s keywords given at call time; the `score_mod`/`mask_mod` given
-    then, else the module's."""
-    return dict(
-        q_lengths=q_lengths, kv_lengths=kv_lengths, bias=bias, alibi_slopes=alibi_slopes,
-        sinks=sinks,
-        score_mod=module.score_mod if score_mod is None else score_mod,
-        mask_mod=module.mask_mod if mask_mod is None else mask_mod,
-        block_mask=block_mask,
-    )
+def per_call_arrays(module: Any, score_mod: ScoreMod | None, mask_mod: MaskMod | None,
+                    **arrays: Any) -> dict[str, Any]:
+    """`flash_attention`'s keywords given at call time (`arrays`: lengths, positions,
+    score terms, sinks, block mask); the `score_mod`/`mask_mod` given then, else the
+    module's."""
+    return dict(arrays, score_mod=module.score_mod if score_mod is None else score_mod,
+                mask_mod=module.mask_mod if mask_mod is None else mask_mod)
 
 
 def attend_heads(

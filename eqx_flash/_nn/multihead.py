@@ -17,9 +17,11 @@ from .._core.types import (
     Bias,
     BlockSize,
     Flag,
+    KeyPositions,
     Lengths,
     MaskMod,
     OptionalReal,
+    QueryPositions,
     RealNumber,
     ScoreMod,
     WindowLike,
@@ -262,6 +264,8 @@ class FlashMultiheadAttention(eqx.Module):
         process_heads: ProcessHeads | None = None,
         q_lengths: Lengths | None = None,
         kv_lengths: Lengths | None = None,
+        q_positions: QueryPositions | None = None,
+        kv_positions: KeyPositions | None = None,
         bias: Bias | None = None,
         alibi_slopes: AlibiSlopes | None = None,
         score_mod: ScoreMod | None = None,
@@ -290,6 +294,9 @@ class FlashMultiheadAttention(eqx.Module):
             `bias` broadcasts to `(num_heads, seq_q, seq_k)`, `alibi_slopes` is
             `(num_heads,)`. A query row at or past `q_lengths` attends to nothing, so its
             output is the output projection of zeros.
+        - `q_positions`, `kv_positions`: `(seq_q,)`, `(seq_k,)`, absolute positions as
+            in `flash_attention`: the layer's causal mask, window and `alibi_slopes`
+            measured on them (packed sequences, chunked prefill).
         - `score_mod`, `mask_mod`: for this call instead of the layer's.
         - `block_mask`: `make_block_mask(mask_mod, (), num_heads, seq_q, seq_k, block_q,
             block_k, kv_heads=num_kv_heads)` of the `mask_mod` in use.
@@ -326,8 +333,11 @@ class FlashMultiheadAttention(eqx.Module):
             result = attend_heads(
                 jnp.swapaxes(q, 0, 1), jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1), mask,
                 static_options(self), rate, key,
-                per_call_arrays(self, q_lengths, kv_lengths, bias, alibi_slopes, self.sinks,
-                                score_mod, mask_mod, block_mask),
+                per_call_arrays(self, score_mod, mask_mod, q_lengths=q_lengths,
+                                kv_lengths=kv_lengths, q_positions=q_positions,
+                                kv_positions=kv_positions, bias=bias,
+                                alibi_slopes=alibi_slopes, sinks=self.sinks,
+                                block_mask=block_mask),
                 return_max_scores,
             )
             heads, max_scores = result if isinstance(result, tuple) else (result, None)

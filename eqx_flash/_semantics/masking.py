@@ -47,6 +47,32 @@ def length_mask(
     return allowed
 
 
+def position_mask(
+    ops: Operands, q_start: Array | int, k_start: Array | int, block_q: int, block_k: int,
+    window: Window,
+) -> Array | None:
+    """Causal and the window measured on the positions of one block (`ops.q_positions`,
+    `ops.kv_positions`): `q - left <= kv <= q + right`, absolute (no bottom-right
+    offset). None without positions or without a window (then positions mask nothing)."""
+    if not ops.has_positions or window.is_unbounded:
+        return None
+    qp = block_of(ops.q_positions, q_start, k_start, block_q, block_k)
+    kp = block_of(ops.kv_positions, q_start, k_start, block_q, block_k)
+    allowed = None
+    if window.left is not None:
+        allowed = kp >= qp - window.left
+    if window.right is not None:
+        upper = kp <= qp + window.right
+        allowed = upper if allowed is None else allowed & upper
+    return allowed
+
+
+def length_window(ops: Operands, window: Window) -> Window:
+    """The window `length_mask` aligns on the valid lengths: none with positions, which
+    place the window themselves (`position_mask`)."""
+    return Window(None, None) if ops.has_positions else window
+
+
 def lengths_or(ops: Operands, seq_q: int, seq_k: int) -> tuple[Array | int, Array | int]:
     """`(q_len, kv_len)` of `ops`, the full sequence where a length is not given."""
     q_len = seq_q if ops.q_lengths is None else ops.q_lengths

@@ -34,6 +34,20 @@ def block_indices(
             block_of(ops.kv_index, q_start, k_start, block_q, block_k))
 
 
+def alibi_positions(
+    ops: Operands, q_start: Array | int, k_start: Array | int, q_pos: Array, k_pos: Array,
+    offset: int, block_q: int, block_k: int,
+) -> tuple[Array, Array, int]:
+    """`(i, j, offset)` for `alibi_distance` on one block: the given positions
+    (`ops.q_positions`, absolute: offset 0), else the block's indices (`block_indices`)
+    with the call's alignment `offset`."""
+    if ops.has_positions:
+        return (block_of(ops.q_positions, q_start, k_start, block_q, block_k),
+                block_of(ops.kv_positions, q_start, k_start, block_q, block_k), 0)
+    i, j = block_indices(ops, q_start, k_start, q_pos, k_pos, block_q, block_k)
+    return i, j, offset
+
+
 def additive(
     ops: Operands, q_start: Array | int, k_start: Array | int, q_pos: Array,
     k_pos: Array, offset: int, block_q: int, block_k: int, dtype: jnp.dtype,
@@ -43,8 +57,9 @@ def additive(
     if ops.bias is not None:
         total = block_of(ops.bias, q_start, k_start, block_q, block_k).astype(dtype)
     if ops.alibi_slopes is not None:
-        i, j = block_indices(ops, q_start, k_start, q_pos, k_pos, block_q, block_k)
-        term = -ops.alibi_slopes.astype(dtype) * alibi_distance(i, j, offset).astype(dtype)
+        i, j, at = alibi_positions(ops, q_start, k_start, q_pos, k_pos, offset, block_q,
+                                   block_k)
+        term = -ops.alibi_slopes.astype(dtype) * alibi_distance(i, j, at).astype(dtype)
         total = term if total is None else total + term
     return total
 
@@ -72,8 +87,9 @@ def accumulate(
         d_bias = jax.lax.dynamic_update_slice(d_bias, old + part, starts)
     if ops.alibi_slopes is not None and d_slopes is not None:
         block_k, _, block_q = d_scores_t.shape
-        i, j = block_indices(ops, q_start, k_start, q_pos, k_pos, block_q, block_k)
-        dist_t = jnp.moveaxis(alibi_distance(i, j, offset), -1, 0).astype(d_scores_t.dtype)
+        i, j, at = alibi_positions(ops, q_start, k_start, q_pos, k_pos, offset, block_q,
+                                   block_k)
+        dist_t = jnp.moveaxis(alibi_distance(i, j, at), -1, 0).astype(d_scores_t.dtype)
         part = -(d_scores_t * dist_t).sum(axis=(0, 2)).reshape(-1, 1, 1)  # (g, 1, 1)
         if d_slopes.shape[0] == 1:
             part = part.sum(axis=0, keepdims=True)

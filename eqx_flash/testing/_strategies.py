@@ -112,6 +112,45 @@ def _default_dtypes() -> tuple[Any, ...]:
     return (*base, jnp.float64) if jax.config.read("jax_enable_x64") else base
 
 
+POSITION_PATTERNS = ("offset", "restarting", "random")
+
+
+def _draw_positions(draw, rng, lead: Any, seq_q: int, seq_k: int,
+                    kwargs: dict[str, Any]) -> dict[str, Any]:
+    # (`lead: Any`: beartype checks a `tuple[int, ...]` by sampling with the global
+    # `random` module, which Hypothesis strategies must not touch.)
+    """`q_positions`, `kv_positions` `(*lead, seq)` in a drawn pattern (`attention_inputs`)."""
+    from hypothesis import strategies as st
+
+    pattern = draw(st.sampled_from(POSITION_PATTERNS))
+    q_index = np.broadcast_to(np.arange(seq_q, dtype=np.int32), (*lead, seq_q))
+    k_index = np.broadcast_to(np.arange(seq_k, dtype=np.int32), (*lead, seq_k))
+    if pattern == "offset":  # a chunk of queries somewhere among the keys
+        offset = draw(st.integers(-seq_q, seq_k))
+        q_pos, k_pos = q_index + offset, k_index
+    elif pattern == "restarting":  # packed documents: positions start over at each id
+        ids = kwargs.get("q_segment_ids"), kwargs.get("kv_segment_ids")
+
+        def restart(index: np.ndarray, seq: int, given: Any) -> np.ndarray:
+            if given is None or np.shape(given)[:-1] != lead:
+                starts = np.sort(rng.integers(0, seq, (*lead, 2)), axis=-1)
+                doc = (index[..., None] >= starts[..., None, :]).sum(-1)
+            else:
+                doc = np.asarray(given)
+            first = np.where(doc[..., 1:] != doc[..., :-1], index[..., 1:], 0)
+            first = np.maximum.accumulate(np.concatenate(
+                [np.zeros((*lead, 1), np.int32), first], axis=-1), axis=-1)
+            return (index - first).astype(np.int32)
+
+        q_pos = restart(q_index, seq_q, ids[0])
+        k_pos = restart(k_index, seq_k, ids[1])
+    else:  # unsorted: blocks hold scattered positions
+        top = max(seq_q, seq_k)
+        q_pos = rng.integers(0, top, (*lead, seq_q), dtype=np.int32)
+        k_pos = rng.integers(0, top, (*lead, seq_k), dtype=np.int32)
+    return {"q_positions": jnp.asarray(q_pos), "kv_positions": jnp.asarray(k_pos)}
+
+
 def attention_inputs(
     *,
     dtypes: Sequence[DTypeLike] | None = None,
@@ -134,6 +173,7 @@ def attention_inputs(
     alibi: bool | None = False,
     sinks: bool | None = False,
     lengths: bool | None = False,
+    positions: bool | None = False,
     score_mod: bool | None = False,
     mask_mod: bool | None = False,
 ) -> "SearchStrategy[AttentionInputs]":
@@ -173,6 +213,11 @@ def attention_inputs(
     - `lengths`: `q_lengths`/`kv_lengths` `(*batch,)` in `[0, seq]` (right padding), each
         given or not; off by default (`False`), since attention functions other than
         eqx_flash's may not take them; `None` draws, `True` always.
+    - `positions`: `q_positions`/`kv_positions`, `(*batch, seq)` or per head `(*batch,
+        heads, seq)`, in one of a few patterns: a chunk of queries at an offset into the
+        keys (chunked prefill), packed documents whose positions restart (drawn with
+        `segment_ids` when those are given), and unsorted random positions; off by
+        default (`False`).
     - `score_mod`: a `score_mod` PyTree from a few families: a relative-position bias
         table (`RelativeBiasTable`) or a per-head scaling (`HeadScaling`), whose arrays
         `check_attention` differentiates. Off by default (`False`).
@@ -271,6 +316,9 @@ def attention_inputs(
                     full = draw(st.booleans())  # some elements use the whole sequence
                     n = rng.integers(0, seq + 1, batch_shape, dtype=np.int32)
                     kwargs[name] = jnp.asarray(np.where(full, seq, n).astype(np.int32))
+        if _maybe(draw, positions):
+            kwargs.update(_draw_positions(draw, rng, lead if draw(st.booleans()) else
+                                          batch_shape, seq_q, seq_k, kwargs))
         if dropout:
             kwargs["dropout_rate"] = draw(st.sampled_from((0.1, 0.5)))
             kwargs["key"] = jax.random.key(seed)

@@ -1,0 +1,359 @@
+"""Position ids (`q_positions`/`kv_positions`): causal, the window and ALiBi measured on
+absolute positions, against an independent float64 reference written here, on every
+single-device entry point (the multi-device ones: `test_ring.py`)."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_close, assert_lse_close, enable_x64, qkv
+from hypothesis import given, settings
+
+import eqx_flash
+from eqx_flash._core.config import KernelConfig
+from eqx_flash._core.operands import Operands
+from eqx_flash._core.options import Window
+from eqx_flash._kernels.schedule import band_ranges, position_limits
+from eqx_flash.testing import attention_inputs, check_attention
+
+B, H, KH, SQ, SK, D = 2, 4, 2, 37, 45, 8
+BLOCKS = dict(block_q=8, block_k=8)
+
+
+def dense(q, k, v, q_pos, kv_pos, *, window=(None, None), slopes=None, mask=None,
+          q_ids=None, kv_ids=None, q_len=None, kv_len=None, softcap=None):
+    """Differentiable materialising attention on positions (jnp, any dtype): `q_pos`,
+    `kv_pos` `(B, seq)`; a row with nothing to attend gives 0 and -inf."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = jnp.repeat(k, groups, axis=1), jnp.repeat(v, groups, axis=1)
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k) / np.sqrt(q.shape[-1])
+    rel = kv_pos[:, None, None, :] - q_pos[:, None, :, None]  # kv - q
+    if slopes is not None:
+        s = s - slopes[None, :, None, None] * jnp.abs(rel).astype(s.dtype)
+    if softcap is not None:
+        s = softcap * jnp.tanh(s / softcap)
+    allowed = jnp.ones(s.shape, bool)
+    left, right = window
+    if left is not None:
+        allowed &= rel >= -left
+    if right is not None:
+        allowed &= rel <= right
+    if mask is not None:
+        allowed &= mask[:, None, None, :]
+    if q_ids is not None:
+        allowed &= q_ids[:, None, :, None] == kv_ids[:, None, None, :]
+    if q_len is not None:
+        allowed &= jnp.arange(q.shape[2])[None, None, :, None] < q_len[:, None, None, None]
+        allowed &= jnp.arange(k.shape[2])[None, None, None, :] < kv_len[:, None, None, None]
+    masked = jnp.where(allowed, s, -jnp.inf)
+    top = jax.lax.stop_gradient(jnp.max(masked, axis=-1, keepdims=True))
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    e = jnp.where(allowed, jnp.exp(jnp.where(allowed, s, 0.0) - top), 0.0)
+    total = e.sum(-1)
+    some = total > 0
+    safe = jnp.where(some, total, 1.0)
+    out = jnp.einsum("bhqk,bhkd->bhqd", e / safe[..., None], v)
+    lse = jnp.where(some, jnp.log(safe) + top[..., 0], -jnp.inf)
+    return out, lse
+
+
+def _positions(pattern: str, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    if pattern == "offset":  # a chunk of queries 10 tokens into the keys
+        q_pos = np.broadcast_to(np.arange(SQ) + 10, (B, SQ))
+        kv_pos = np.broadcast_to(np.arange(SK), (B, SK))
+    elif pattern == "sorted":
+        q_pos = np.sort(rng.integers(0, 60, (B, SQ)), axis=-1)
+        kv_pos = np.sort(rng.integers(0, 60, (B, SK)), axis=-1)
+    else:  # unsorted: blocks hold scattered positions
+        q_pos, kv_pos = rng.integers(0, 60, (B, SQ)), rng.integers(0, 60, (B, SK))
+    return jnp.asarray(q_pos, jnp.int32), jnp.asarray(kv_pos, jnp.int32)
+
+
+def _inputs(seed=0, dtype=jnp.float32):
+    return qkv(seed, (B, H, SQ, D), (B, KH, SK, D), dtype=dtype)
+
+
+CASES = {
+    "causal": dict(causal=True),
+    "window": dict(window=(5, 3)),
+    "left_only": dict(window=(7, None)),
+    "causal_alibi_softcap": dict(causal=True, alibi=True, softcap=3.0),
+    "window_mask_segments": dict(window=(9, 0), mask=True, segments=True),
+    "causal_lengths": dict(causal=True, lengths=True),
+    "alibi_only": dict(alibi=True),
+}
+
+
+def _call_arguments(case: dict, q_pos, kv_pos, seed=1, dtype=jnp.float32):
+    """`(flash_attention keywords, dense keywords)` of one case."""
+    rng = np.random.default_rng(seed)
+    ours: dict = dict(q_positions=q_pos, kv_positions=kv_pos)
+    theirs: dict = {}
+    if case.get("causal"):
+        ours["causal"], theirs["window"] = True, (None, 0)
+    if "window" in case:
+        ours["window"], theirs["window"] = case["window"], case["window"]
+    if case.get("alibi"):
+        slopes = jnp.asarray(0.3 * rng.random(H), dtype)
+        ours["alibi_slopes"], theirs["slopes"] = slopes, slopes
+    if "softcap" in case:
+        ours["softcap"] = theirs["softcap"] = case["softcap"]
+    if case.get("mask"):
+        mask = rng.random((B, SK)) > 0.3
+        mask[1, :] = False  # batch element 1 attends nothing
+        ours["mask"] = theirs["mask"] = jnp.asarray(mask)
+    if case.get("segments"):
+        q_ids = jnp.asarray(np.sort(rng.integers(0, 3, (B, SQ)), axis=-1), jnp.int32)
+        kv_ids = jnp.asarray(np.sort(rng.integers(0, 3, (B, SK)), axis=-1), jnp.int32)
+        ours.update(q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+        theirs.update(q_ids=q_ids, kv_ids=kv_ids)
+    if case.get("lengths"):
+        q_len, kv_len = jnp.array([SQ, 20]), jnp.array([30, SK])
+        ours.update(q_lengths=q_len, kv_lengths=kv_len)
+        theirs.update(q_len=q_len, kv_len=kv_len)
+    return ours, theirs
+
+
+@pytest.mark.parametrize("pattern", ["offset", "sorted", "unsorted"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_values_and_lse_match_the_independent_reference(name, pattern):
+    q, k, v = _inputs()
+    q_pos, kv_pos = _positions(pattern)
+    ours, theirs = _call_arguments(CASES[name], q_pos, kv_pos)
+    expected_out, expected_lse = dense(q, k, v, q_pos, kv_pos, **theirs)
+    for fn, blocks in ((eqx_flash.flash_attention, BLOCKS), (eqx_flash.flash_attention, {}),
+                       (eqx_flash.plain_attention, {})):
+        out, lse = fn(q, k, v, **ours, **blocks)
+        assert_close(out, expected_out)
+        assert_lse_close(lse, expected_lse)
+
+
+@pytest.mark.parametrize("name", ["causal_alibi_softcap", "window_mask_segments",
+                                  "causal_lengths"])
+def test_gradients_and_tangents_in_float64(name):
+    """Gradients of q, k, v and the ALiBi slopes, and tangents, against the reference's
+    own derivatives, in float64 (unsorted positions: skipped and masked blocks mixed)."""
+    with enable_x64():
+        q, k, v = (x.astype(jnp.float64) for x in _inputs(2))
+        q_pos, kv_pos = _positions("unsorted", 3)
+        ours, theirs = _call_arguments(CASES[name], q_pos, kv_pos, dtype=jnp.float64)
+        rng = np.random.default_rng(4)
+        w = jnp.asarray(rng.standard_normal((B, H, SQ, D)))
+        u = jnp.asarray(rng.standard_normal((B, H, SQ)))
+        slopes = ours.pop("alibi_slopes", None)
+        theirs.pop("slopes", None)
+
+        def ours_fn(q, k, v, slopes):
+            return eqx_flash.flash_attention(q, k, v, alibi_slopes=slopes, **ours, **BLOCKS)
+
+        def theirs_fn(q, k, v, slopes):
+            return dense(q, k, v, q_pos, kv_pos, slopes=slopes, **theirs)
+
+        def loss(fn):
+            def f(*args):
+                out, lse = fn(*args)
+                return jnp.sum(out * w) + jnp.sum(jnp.where(jnp.isfinite(lse), lse * u, 0.0))
+            return f
+
+        argnums = (0, 1, 2, 3) if slopes is not None else (0, 1, 2)
+        args = (q, k, v, slopes)
+        got = jax.grad(loss(ours_fn), argnums=argnums)(*args)
+        expected = jax.grad(loss(theirs_fn), argnums=argnums)(*args)
+        for g, e in zip(got, expected, strict=True):
+            assert g.shape == e.shape and g.dtype == e.dtype
+            np.testing.assert_allclose(g, e, rtol=1e-9, atol=1e-11)
+        tangents = tuple(jnp.asarray(rng.standard_normal(x.shape)) for x in (q, k, v))
+        for fn in (ours_fn, theirs_fn):
+            fn.result = jax.jvp(lambda q, k, v, fn=fn: fn(q, k, v, slopes), (q, k, v),
+                                tangents)[1]
+        for g, e in zip(ours_fn.result, theirs_fn.result, strict=True):
+            np.testing.assert_allclose(np.where(np.isfinite(e), g, 0.0),
+                                       np.where(np.isfinite(e), e, 0.0), rtol=1e-9, atol=1e-11)
+
+
+def test_indices_as_positions_are_the_index_masks():
+    """Positions equal to the bottom-right aligned indices give `causal=True`, a window
+    and ALiBi on indices exactly."""
+    q, k, v = _inputs(5)
+    q_pos = jnp.arange(SQ, dtype=jnp.int32)[None] + (SK - SQ)
+    kv_pos = jnp.arange(SK, dtype=jnp.int32)[None]
+    slopes = jnp.linspace(0.1, 0.4, H)
+    for options in (dict(causal=True), dict(window=(6, 2)), dict(causal=True,
+                                                                  alibi_slopes=slopes)):
+        expected = eqx_flash.flash_attention(q, k, v, **options, **BLOCKS)
+        got = eqx_flash.flash_attention(q, k, v, q_positions=q_pos, kv_positions=kv_pos,
+                                        **options, **BLOCKS)
+        assert_close(got[0], expected[0])
+        assert_lse_close(got[1], expected[1])
+
+
+def test_packed_documents_equal_per_document_attention():
+    """Three documents packed in one row, positions restarting at each, causal + ALiBi
+    on positions + segment ids: each document's rows equal attention on it alone."""
+    seq, lengths = 48, (13, 20, 15)
+    q, k, v = qkv(6, (1, H, seq, D), (1, KH, seq, D))
+    ids = np.repeat(np.arange(3), lengths).astype(np.int32)[None]
+    positions = np.concatenate([np.arange(n) for n in lengths]).astype(np.int32)[None]
+    slopes = jnp.linspace(0.1, 0.4, H)
+    out, lse = eqx_flash.flash_attention(
+        q, k, v, causal=True, alibi_slopes=slopes, q_segment_ids=ids, kv_segment_ids=ids,
+        q_positions=positions, kv_positions=positions, **BLOCKS)
+    start = 0
+    for n in lengths:
+        part = slice(start, start + n)
+        alone = eqx_flash.flash_attention(q[..., part, :], k[..., part, :], v[..., part, :],
+                                          causal=True, alibi_slopes=slopes, **BLOCKS)
+        assert_close(out[..., part, :], alone[0])
+        assert_lse_close(lse[..., part], alone[1])
+        start += n
+
+
+def test_rows_with_nothing_to_attend_are_zero_with_finite_gradients():
+    """Causal on positions where some queries precede every key: out 0, lse -inf, zero
+    finite gradients."""
+    q, k, v = _inputs(7)
+    q_pos = jnp.broadcast_to(jnp.arange(SQ, dtype=jnp.int32) - 10, (B, SQ))
+    kv_pos = jnp.broadcast_to(jnp.arange(SK, dtype=jnp.int32), (B, SK))
+
+    def loss(q, k, v):
+        out, lse = eqx_flash.flash_attention(q, k, v, causal=True, q_positions=q_pos,
+                                             kv_positions=kv_pos, **BLOCKS)
+        return jnp.sum(out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
+    out, lse = eqx_flash.flash_attention(q, k, v, causal=True, q_positions=q_pos,
+                                         kv_positions=kv_pos, **BLOCKS)
+    np.testing.assert_array_equal(np.asarray(out[..., :10, :]), 0.0)
+    assert bool(jnp.all(jnp.isneginf(lse[..., :10])))
+    assert bool(jnp.all(jnp.isfinite(lse[..., 10:])))
+    dq, dk, dv = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in (dq, dk, dv))
+    np.testing.assert_array_equal(np.asarray(dq[..., :10, :]), 0.0)
+
+
+def test_causal_positions_visit_the_blocks_causal_visits():
+    """The run-time limits of causal on `arange` positions are the static causal band:
+    the same key blocks visited, the same ones whole (so no more work than `causal=True`);
+    a block out of reach by position is never visited."""
+    seq, block = 64, 16
+    index = jnp.arange(seq, dtype=jnp.int32)
+    ops = Operands(q_positions=index.reshape(1, seq, 1), kv_positions=index.reshape(1, 1, seq))
+    causal = KernelConfig(seq, seq, block, block, Window(None, 0), scale=1.0)
+    on_positions = KernelConfig(seq, seq, block, block, Window(None, 0), scale=1.0,
+                                positions=True)
+    for by in ("q", "k"):
+        bands = band_ranges(causal, by=by)
+        limits = position_limits(on_positions, ops, by)
+        assert limits is not None
+        lo, hi, full_lo, full_hi = (np.asarray(x) for x in limits)
+        np.testing.assert_array_equal(lo, bands.lo)
+        np.testing.assert_array_equal(hi, bands.hi)
+        for o in range(len(lo)):  # the same whole blocks (an empty run may sit anywhere)
+            assert (set(range(full_lo[o], full_hi[o]))
+                    == set(range(bands.full_lo[o], bands.full_hi[o]))), (by, o)
+
+
+def test_score_mod_receives_indices_and_can_capture_positions():
+    """`score_mod` sees indices; closing over the positions gives a bias on them."""
+    q, k, v = _inputs(8)
+    q_pos, kv_pos = _positions("sorted", 9)
+
+    def on_positions(s, b, h, i, j):
+        return s - 0.2 * jnp.abs(q_pos[b, i] - kv_pos[b, j]).astype(s.dtype)
+
+    slopes = jnp.full((H,), 0.2)
+    got = eqx_flash.flash_attention(q, k, v, causal=True, q_positions=q_pos,
+                                    kv_positions=kv_pos, score_mod=on_positions, **BLOCKS)
+    expected = eqx_flash.flash_attention(q, k, v, causal=True, q_positions=q_pos,
+                                         kv_positions=kv_pos, alibi_slopes=slopes, **BLOCKS)
+    assert_close(got[0], expected[0])
+
+
+def test_split_k_decoding_on_positions():
+    """A few queries against a long cache (the split-K kernel) with a window on
+    positions."""
+    q, k, v = qkv(10, (1, H, 3, D), (1, KH, 512, D))
+    q_pos = jnp.asarray([[300, 301, 302]], jnp.int32)
+    kv_pos = jnp.arange(512, dtype=jnp.int32)[None]
+    out, lse = eqx_flash.flash_attention(q, k, v, window=(100, 0), q_positions=q_pos,
+                                         kv_positions=kv_pos, block_k=32)
+    expected_out, expected_lse = dense(q, k, v, q_pos, kv_pos, window=(100, 0))
+    assert_close(out, expected_out)
+    assert_lse_close(lse, expected_lse)
+
+
+def test_modules_take_positions_per_call():
+    q, k, v = (x[0] for x in _inputs(11))
+    q_pos, kv_pos = (x[0] for x in _positions("offset"))
+    layer = eqx_flash.FlashAttention(causal=True, **BLOCKS)
+    expected = dense(q[None], k[None], v[None], q_pos[None], kv_pos[None],
+                     window=(None, 0))[0][0]
+    assert_close(layer(q, k, v, q_positions=q_pos, kv_positions=kv_pos), expected)
+    mha = eqx_flash.FlashMultiheadAttention(H, 16, num_kv_heads=KH, causal=True,
+                                            key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (2, 24, 16))
+    positions = jnp.broadcast_to(jnp.concatenate([jnp.arange(10), jnp.arange(14)]), (2, 24))
+    ids = jnp.broadcast_to(jnp.repeat(jnp.arange(2), jnp.asarray([10, 14]),
+                                      total_repeat_length=24), (2, 24))
+    same_doc = ids[0][:, None] == ids[0][None, :]
+    packed = jax.vmap(lambda x, p: mha(x, x, x, same_doc, q_positions=p, kv_positions=p))(
+        x, positions)
+    for part in (slice(0, 10), slice(10, 24)):  # each document as if alone
+        alone = jax.vmap(lambda x, part=part: mha(x[part], x[part], x[part]))(x)
+        assert_close(packed[:, part], alone)
+    # Positions alone (no document mask): causal on positions is the mask `p_k <= p_q`.
+    on_positions = jax.vmap(lambda x, p: mha(x, x, x, q_positions=p, kv_positions=p))(
+        x, positions)
+    # (Equal positions lift the layer's causal mask, leaving the mask alone.)
+    zeros = jnp.zeros(24, jnp.int32)
+    by_mask = jax.vmap(lambda x, p: mha(x, x, x, p[None, :] <= p[:, None], q_positions=zeros,
+                                        kv_positions=zeros))(x, positions)
+    assert_close(on_positions, by_mask)
+
+
+def test_positions_check_through_every_derivative():
+    """`check_attention` with jvp and second order (HVP, grad of grad) on positions."""
+    inputs = eqx_flash.testing.AttentionInputs(*_inputs(12), dict(
+        causal=True, q_positions=_positions("unsorted")[0],
+        kv_positions=_positions("unsorted")[1], alibi_slopes=jnp.linspace(0.1, 0.3, H),
+        **BLOCKS))
+    check_attention(eqx_flash.flash_attention, inputs, jvp=True, second_order=True)
+
+
+@settings(max_examples=25, deadline=None)
+@given(attention_inputs(positions=True, dtypes=[jnp.float32], alibi=None, lengths=None,
+                        sinks=None, segment_ids=None))
+def test_property_against_the_reference(inputs):
+    check_attention(eqx_flash.flash_attention, inputs, jvp=True)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(q_positions=jnp.zeros((B, SQ), jnp.int32)), "kv_positions"),
+    (dict(kv_positions=jnp.zeros((B, SK), jnp.int32)), "q_positions"),
+    (dict(q_positions=jnp.zeros((B, SQ)), kv_positions=jnp.zeros((B, SK), jnp.int32)),
+     "q_positions"),
+    (dict(q_positions=jnp.zeros((B, SQ + 1), jnp.int32),
+          kv_positions=jnp.zeros((B, SK), jnp.int32)), "q_positions"),
+    (dict(q_positions=jnp.zeros((B, SQ), jnp.int32),
+          kv_positions=jnp.zeros((3, SK), jnp.int32)), "kv_positions"),
+])
+def test_bad_positions_name_the_argument(kwargs, match):
+    q, k, v = _inputs()
+    for fn in (eqx_flash.flash_attention, eqx_flash.plain_attention):
+        with pytest.raises((TypeError, ValueError), match=match):
+            fn(q, k, v, causal=True, **kwargs)
+
+
+def test_positions_under_jit_and_vmap():
+    q, k, v = _inputs(13)
+    q_pos, kv_pos = _positions("sorted", 14)
+
+    def one(q, k, v, qp, kp):
+        return eqx_flash.flash_attention(q, k, v, causal=True, q_positions=qp,
+                                         kv_positions=kp, **BLOCKS)
+
+    batched = jax.jit(jax.vmap(one))(q, k, v, q_pos, kv_pos)
+    direct = one(q, k, v, q_pos, kv_pos)
+    assert_close(batched[0], direct[0])
+    assert eqx.filter_jit(one)(q, k, v, q_pos, kv_pos)[0].shape == direct[0].shape
