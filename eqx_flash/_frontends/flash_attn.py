@@ -4,10 +4,11 @@ cumulative sequence lengths) and semantics on eqx_flash's kernels.
 
 FA2's dense conventions are eqx_flash's own (causal, window and ALiBi aligned bottom-right),
 so `flash_attn_func` only moves the heads axis and renames. The packed call attends within
-each sequence, aligned bottom-right *per sequence*: that is a `mask_mod` (same sequence,
-causal/window on positions within it) and, for ALiBi, a `score_mod` on those positions,
-both small `eqx.Module`s over the packed index arrays. The call summarises the `mask_mod`
-per block pair, so blocks that straddle no sequence pair are never computed.
+each sequence, aligned bottom-right *per sequence*: each sequence is a segment id and its
+tokens sit at positions aligned on its keys (`q_positions`/`kv_positions`), so causal,
+the window and per-head ALiBi act within it and the kernels skip, at run time, the
+blocks of other sequences and those out of reach. ALiBi slopes per sequence are a small
+`score_mod` over the packed index arrays.
 """
 
 from typing import Any
@@ -106,17 +107,24 @@ def flash_attn_varlen_func(
                          f"sequences; got shapes {cu_q.shape} and {cu_k.shape}")
     options = _options(dropout_p, softmax_scale, causal, window_size, softcap, key)
     packing = _Packing.of(cu_q, cu_k, q.shape[0], k.shape[0])
-    window = options.pop("window")
-    mask_mod = _WithinSequence(packing, options.pop("causal"), window)
+    # Each sequence as segment ids, its tokens at positions aligned bottom-right on its
+    # keys: causal, the window and ALiBi then act within each sequence, and the kernels
+    # skip the blocks of other sequences and those out of reach at run time.
+    by_sequence = dict(q_segment_ids=packing.q_seq, kv_segment_ids=packing.k_seq,
+                       q_positions=packing.q_pos + packing.offset[packing.q_seq],
+                       kv_positions=packing.k_pos)
     score_mod = None
     if alibi_slopes is not None:
         slopes = jnp.asarray(alibi_slopes)
         if slopes.shape not in ((q.shape[1],), (cu_q.shape[0] - 1, q.shape[1])):
             raise ValueError(f"alibi_slopes must have shape ({q.shape[1]},) or "
                              f"({cu_q.shape[0] - 1}, {q.shape[1]}); got {slopes.shape}")
-        score_mod = _AlibiWithinSequence(packing, slopes)
+        if slopes.ndim == 1:
+            by_sequence["alibi_slopes"] = slopes
+        else:  # per sequence: not a per-head operand of the packed rows
+            score_mod = _AlibiWithinSequence(packing, slopes)
     q, k, v = (jnp.swapaxes(x, 0, 1) for x in (q, k, v))  # (heads, total, dim)
-    out, lse = flash_attention(q, k, v, mask_mod=mask_mod, score_mod=score_mod, **options)
+    out, lse = flash_attention(q, k, v, score_mod=score_mod, **by_sequence, **options)
     out = jnp.swapaxes(out, 0, 1)
     return (out, lse, None) if return_attn_probs else out
 
@@ -190,31 +198,9 @@ class _Packing(eqx.Module):
                 take(self.k_pos, kv_idx))
 
 
-class _WithinSequence(eqx.Module):
-    """mask_mod: a query attends the keys of its own sequence, within the causal/window
-    band measured on positions in the sequence."""
-
-    packing: _Packing
-    causal: bool = eqx.field(static=True)
-    window: tuple[int | None, int | None] | None = eqx.field(static=True)
-
-    def __call__(self, b, h, q_idx, kv_idx):
-        del b, h
-        _, same, p, j = self.packing.at(q_idx, kv_idx)
-        if self.causal:
-            same = same & (j <= p)
-        if self.window is not None:
-            left, right = self.window
-            if left is not None:
-                same = same & (j >= p - left)
-            if right is not None:
-                same = same & (j <= p + right)
-        return same
-
-
 class _AlibiWithinSequence(eqx.Module):
-    """score_mod: FA2's ALiBi, `-slope * |p - j|` on positions within the sequence;
-    `slopes` `(heads,)` or per sequence `(batch, heads)`, differentiable."""
+    """score_mod: FA2's ALiBi with slopes per sequence `(batch, heads)`, `-slope * |p -
+    j|` on positions within the sequence; differentiable."""
 
     packing: _Packing
     slopes: Array
@@ -222,5 +208,5 @@ class _AlibiWithinSequence(eqx.Module):
     def __call__(self, s, b, h, q_idx, kv_idx):
         del b
         seq, _, p, j = self.packing.at(q_idx, kv_idx)
-        slope = self.slopes[h] if self.slopes.ndim == 1 else self.slopes[seq, h]
+        slope = self.slopes[seq, h]
         return s - slope.astype(s.dtype) * jnp.abs(p - j).astype(s.dtype)
