@@ -8,13 +8,14 @@ reduce-scatter of dk and dv. k and v cost O(seq) per device (the queries, output
 their gradients O(seq / devices)).
 
 A device's queries sit at a global offset known only at run time (its axis index), so
-what depends on query positions is restated on global positions: causal, the window and
-valid lengths become one `mask_mod` (whose block summary skips the blocks it empties),
-ALiBi joins the `score_mod`, and a user's `score_mod`/`mask_mod` are called with global
-query indices. With `q_positions`/`kv_positions`, causal, the window and ALiBi are
-measured on those and pass through (the query positions sharded with the queries). For
-causal or windowed attention the queries are balanced with the zigzag
-layout (device `d` holds chunks `d` and `2n - 1 - d`), each chunk attended on its own.
+causal, the window and ALiBi are measured on positions (`q_positions`/`kv_positions`):
+the caller's, else each query's global index aligned bottom-right (on the valid lengths
+when given), so that each device's kernels skip the key blocks out of reach at run time.
+Valid lengths become each piece's own; a user's `score_mod`/`mask_mod` are called with
+global query indices (and ALiBi with lengths, aligned on the sequences as in
+`flash_attention`, joins the `score_mod`). For causal or windowed attention the queries
+are balanced with the zigzag layout (device `d` holds chunks `d` and `2n - 1 - d`), each
+chunk attended on its own.
 """
 
 from collections.abc import Hashable
@@ -24,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
+from jaxtyping import Array
 
 from .._api.flash import flash_attention
 from .._core.options import Window
@@ -31,12 +33,9 @@ from .._core.shapes import Shapes
 from .sequence_order import from_ring_layout, to_ring_layout
 
 
-def _flat(x: Any, batch_shape: tuple[int, ...]) -> Any:
-    """A per-batch-element array `(*batch,)` (axes 1 or missing broadcast), flattened."""
-    if x is None:
-        return None
-    x = jnp.asarray(x)
-    return jnp.broadcast_to(x, batch_shape).reshape(-1) if batch_shape else x.reshape(1)
+def _per_batch(x: Any, batch_shape: tuple[int, ...]) -> Any:
+    """Lengths `(*batch,)` (axes 1 or missing broadcast) as `batch_shape`."""
+    return None if x is None else jnp.broadcast_to(jnp.asarray(x, jnp.int32), batch_shape)
 
 
 def _per_head(x: Any, shapes: Shapes) -> Any:
@@ -45,33 +44,27 @@ def _per_head(x: Any, shapes: Shapes) -> Any:
     return jnp.broadcast_to(x, (*shapes.batch_shape, shapes.heads)).reshape(-1, shapes.heads)
 
 
-def _positional_mods(shapes: Shapes, window: Window, offset: Any, arrays: dict[str, Any],
-                     score_mod: Any, mask_mod: Any) -> tuple[Any, Any]:
+def _query_positions(shapes: Shapes, start: Any, chunk: int, lengths: dict[str, Any]
+                     ) -> Array:
+    """Positions of `chunk` queries from global index `start` against keys at positions
+    `arange(seq_k)`, aligned bottom-right as `flash_attention` aligns causal and the
+    window: on the valid lengths when given (`(*batch, chunk)`), else on the sequences."""
+    index = start + jnp.arange(chunk, dtype=jnp.int32)
+    q_len, kv_len = lengths["q_lengths"], lengths["kv_lengths"]
+    if q_len is None and kv_len is None:
+        return index + (shapes.seq_k - shapes.seq_q)
+    q_len = shapes.seq_q if q_len is None else q_len
+    kv_len = shapes.seq_k if kv_len is None else kv_len
+    shift = jnp.broadcast_to(jnp.asarray(kv_len - q_len, jnp.int32), shapes.batch_shape)
+    return shift[..., None] + index
+
+
+def _global_mods(offset: Any, slopes: Any, shapes: Shapes, score_mod: Any, mask_mod: Any
+                 ) -> tuple[Any, Any]:
     """`(score_mod, mask_mod)` on a device's local query indices `i` whose global index is
-    `i + offset`: the window/causal band, valid lengths and ALiBi of `flash_attention`
-    on global positions, and the user's own modifications."""
-    q_len, kv_len, slopes = arrays["q_lengths"], arrays["kv_lengths"], arrays["alibi_slopes"]
-    lengths = q_len is not None or kv_len is not None
+    `i + offset`: the user's own modifications at global indices, and ALiBi `slopes`
+    (`(batch, heads)`, or None) on global indices aligned on the sequences."""
     shift = shapes.seq_k - shapes.seq_q
-
-    def mask(b, h, i, j):
-        gi = i + offset
-        allowed = jnp.ones(jnp.broadcast_shapes(jnp.shape(gi), jnp.shape(j)), bool)
-        p = gi + shift
-        if lengths:
-            ql = shapes.seq_q if q_len is None else q_len[b]
-            kl = shapes.seq_k if kv_len is None else kv_len[b]
-            allowed = allowed & (gi < ql) & (j < kl)
-            p = gi + (kl - ql)  # causal and window align on the valid lengths
-        if window.left is not None:
-            allowed = allowed & (j >= p - window.left)
-        if window.right is not None:
-            allowed = allowed & (j <= p + window.right)
-        if mask_mod is not None:
-            allowed = allowed & mask_mod(b, h, gi, j)
-        return allowed
-
-    needs_mask = lengths or not window.is_unbounded or mask_mod is not None
 
     def score(s, b, h, i, j):
         gi = i + offset
@@ -80,8 +73,11 @@ def _positional_mods(shapes: Shapes, window: Window, offset: Any, arrays: dict[s
             s = s - slopes[b, h].astype(s.dtype) * distance
         return s if score_mod is None else score_mod(s, b, h, gi, j)
 
-    needs_score = slopes is not None or score_mod is not None
-    return (score if needs_score else None), (mask if needs_mask else None)
+    def mask(b, h, i, j):
+        return mask_mod(b, h, i + offset, j)
+
+    return (None if slopes is None and score_mod is None else score,
+            None if mask_mod is None else mask)
 
 
 def all_gather_attention(
@@ -98,20 +94,20 @@ def all_gather_attention(
     q_ids, bias = arguments.pop("q_segment_ids"), arguments.pop("bias")
     q_positions = arguments.pop("q_positions")
     score_mod, mask_mod = arguments.pop("score_mod"), arguments.pop("mask_mod")
-    # With positions, causal, the window and ALiBi are measured on them, not on the
-    # device's offset: they pass through, and only the lengths become a mask_mod.
-    by_position = q_positions is not None
-    slopes = None if by_position else arguments.pop("alibi_slopes")
-    per_row = {
-        "q_lengths": _flat(arguments.pop("q_lengths"), shapes.batch_shape),
-        "kv_lengths": _flat(arguments.pop("kv_lengths"), shapes.batch_shape),
-        "alibi_slopes": None if slopes is None else _per_head(slopes, shapes),
-    }
-    if by_position:
-        window = Window()
-    else:
-        for name in ("causal", "window"):
-            arguments.pop(name)
+    lengths = {name: _per_batch(arguments.pop(name), shapes.batch_shape)
+               for name in ("q_lengths", "kv_lengths")}
+    # Causal, the window and ALiBi act on positions: the caller's, else the queries'
+    # global positions aligned as flash_attention aligns them, so each device's kernels
+    # skip the key blocks out of reach at run time. ALiBi with lengths stays aligned on
+    # the sequences (flash_attention's ALiBi ignores the lengths): a score_mod then.
+    given_positions = q_positions is not None
+    alibi_in_score = not given_positions and any(x is not None for x in lengths.values())
+    slopes = arguments.pop("alibi_slopes") if alibi_in_score else None
+    slopes = None if slopes is None else _per_head(slopes, shapes)
+    make_positions = not given_positions and (
+        not window.is_unbounded or arguments.get("alibi_slopes") is not None)
+    if make_positions:
+        arguments["kv_positions"] = jnp.arange(shapes.seq_k, dtype=jnp.int32)
     # The query-side arrays in the layout's order, sharded with the queries.
     rows_bias = bias is not None and jnp.ndim(bias) >= 2 and jnp.shape(bias)[-2] != 1
 
@@ -135,6 +131,7 @@ def all_gather_attention(
     # Arrays travel through the map (replicated); the rest are static settings.
     arrays = {n: x for n, x in arguments.items() if isinstance(x, jax.Array | np.ndarray)}
     static = {n: x for n, x in arguments.items() if n not in arrays}
+    per_row = dict(lengths, alibi_slopes=slopes)
     replicated = jax.tree.map(lambda _: PartitionSpec(), (mask, per_row, arrays))
 
     def body(q, k, v, mask, q_ids, q_positions, bias, per_row, arrays):
@@ -144,18 +141,28 @@ def all_gather_attention(
         for piece in range(pieces):
             start = piece * chunk
             index = me if piece == 0 else 2 * n - 1 - me
-            score, masked = _positional_mods(shapes, window, index * chunk, per_row,
-                                             score_mod, mask_mod)
+            first = index * chunk  # the piece's first global query
+            score, masked = _global_mods(first, per_row["alibi_slopes"], shapes, score_mod,
+                                         mask_mod)
 
             def rows_of(x, axis, start=start):
                 return None if x is None else jax.lax.slice_in_dim(x, start, start + chunk,
                                                                    axis=axis)
 
+            local = {}
+            if per_row["q_lengths"] is not None:  # the piece's valid rows
+                local["q_lengths"] = jnp.clip(per_row["q_lengths"] - first, 0, chunk)
+            if per_row["kv_lengths"] is not None:
+                local["kv_lengths"] = per_row["kv_lengths"]
+            if given_positions:
+                local["q_positions"] = rows_of(q_positions, -1)
+            elif make_positions:
+                local["q_positions"] = _query_positions(shapes, first, chunk, per_row)
             results.append(flash_attention(
                 jax.lax.slice_in_dim(q, start, start + chunk, axis=q.ndim - 2), k, v, mask,
-                q_segment_ids=rows_of(q_ids, -1), q_positions=rows_of(q_positions, -1),
+                q_segment_ids=rows_of(q_ids, -1),
                 bias=rows_of(bias, -2) if rows_bias else bias, score_mod=score,
-                mask_mod=masked, **arrays, **static))
+                mask_mod=masked, **local, **arrays, **static))
         if pieces == 1:
             return results[0]
         # out's rows are axis -2, the statistics' -1.
