@@ -1,6 +1,7 @@
 """Interleaved timing, shared by the benchmark scripts: every call once per round, in a
 shuffled order, so that a shared machine's drift hits every configuration alike."""
 
+import argparse
 import random
 import statistics
 import time
@@ -25,3 +26,14 @@ def interleaved_medians(calls: dict[str, Callable[[], Any]], rounds: int,
             times[name].append(time.perf_counter() - start)
         print(f"round {r + 1}/{rounds} done", flush=True)
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+def problem_arguments(doc: str | None) -> argparse.ArgumentParser:
+    """The parser every interleaved benchmark starts from: `--seq`, `--heads`, `--dim`,
+    `--rounds` (the description: `doc`'s first paragraph); add more, then parse."""
+    p = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=7)
+    return p

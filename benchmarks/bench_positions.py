@@ -11,7 +11,6 @@ on indices. Each round times every configuration once, in a shuffled order; prin
 medians and the ratios.
 """
 
-import argparse
 import functools
 import sys
 from pathlib import Path
@@ -21,7 +20,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _interleave import interleaved_medians  # noqa: E402
+from _interleave import interleaved_medians, problem_arguments  # noqa: E402
 
 import eqx_flash  # noqa: E402
 
@@ -35,11 +34,7 @@ def _grad(**kwargs):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=7)
+    p = problem_arguments(__doc__)
     args = p.parse_args()
     seq = args.seq
     shape = (1, args.heads, seq, args.dim)

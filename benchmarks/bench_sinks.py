@@ -9,7 +9,6 @@ against one call over all the keys. Each round times every configuration once, i
 shuffled order; prints medians and the ratios.
 """
 
-import argparse
 import functools
 import sys
 from pathlib import Path
@@ -19,7 +18,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _interleave import interleaved_medians  # noqa: E402
+from _interleave import interleaved_medians, problem_arguments  # noqa: E402
 
 import eqx_flash  # noqa: E402
 
@@ -51,11 +50,7 @@ def _merge_of_parts(parts: int):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=7)
+    p = problem_arguments(__doc__)
     args = p.parse_args()
     shape = (1, args.heads, args.seq, args.dim)
     q, k, v = (jax.random.normal(jax.random.key(i), shape) for i in range(3))

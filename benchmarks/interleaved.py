@@ -8,7 +8,6 @@ and the ratios the targets are stated in. (Peak memory needs one process per
 configuration: `benchmarks/run.py`.)
 """
 
-import argparse
 import random
 import statistics
 import sys
@@ -18,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from _interleave import problem_arguments  # noqa: E402
 from _worker import METHODS  # noqa: E402  (the same three implementations as run.py)
 
 
@@ -33,11 +33,7 @@ def _fn(method, mode, causal, **kw):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=7)
+    p = problem_arguments(__doc__)
     p.add_argument("--no-seed", action="store_true", help="skip the (slow) seed package")
     args = p.parse_args()
     s, h, d = args.seq, args.heads, args.dim
