@@ -56,7 +56,7 @@ def _query_positions(shapes: Shapes, start: Any, chunk: int, lengths: dict[str, 
     q_len = shapes.seq_q if q_len is None else q_len
     kv_len = shapes.seq_k if kv_len is None else kv_len
     shift = jnp.broadcast_to(jnp.asarray(kv_len - q_len, jnp.int32), shapes.batch_shape)
-    return shift[..., None] + index
+    return shift[..., None] + index.reshape((1,) * len(shapes.batch_shape) + (chunk,))
 
 
 def _global_mods(offset: Any, slopes: Any, shapes: Shapes, score_mod: Any, mask_mod: Any
