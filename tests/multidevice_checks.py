@@ -438,7 +438,7 @@ def _derivative_errors(name: str, expected_fn, fn, q, k, v, second_order: bool =
     got = jax.jit(lambda: derivatives(fn))()
     return {f"{name}_{part}": max(_max_errors(a, b))
             for part, a, b in zip(("values", "grads", "jvp", "hvp")[:len(got)], expected, got,
-                                  strict=False)}
+                                  strict=True)}
 
 
 def check_ulysses():

@@ -111,8 +111,7 @@ def flash_attn_varlen_func(
     # keys: causal, the window and ALiBi then act within each sequence, and the kernels
     # skip the blocks of other sequences and those out of reach at run time.
     by_sequence = dict(q_segment_ids=packing.q_seq, kv_segment_ids=packing.k_seq,
-                       q_positions=packing.q_pos + packing.offset[packing.q_seq],
-                       kv_positions=packing.k_pos)
+                       q_positions=packing.q_pos, kv_positions=packing.k_pos)
     score_mod = None
     if alibi_slopes is not None:
         slopes = jnp.asarray(alibi_slopes)
@@ -165,14 +164,13 @@ def _cumulative(name: str, cu: ArrayLike, total: int, max_seqlen: int) -> Array:
 
 
 class _Packing(eqx.Module):
-    """Each packed query's and key's sequence and position within it, and each
-    sequence's bottom-right offset `n_k - n_q`."""
+    """Each packed query's and key's sequence and position within it, the queries'
+    aligned bottom-right on their sequence's keys (`+ n_k - n_q`)."""
 
     q_seq: Array  # (total_q,)
     q_pos: Array
     k_seq: Array  # (total_k,)
     k_pos: Array
-    offset: Array  # (batch,)
 
     @classmethod
     def of(cls, cu_q: Array, cu_k: Array, total_q: int, total_k: int) -> "_Packing":
@@ -183,19 +181,15 @@ class _Packing(eqx.Module):
 
         (q_seq, q_pos), (k_seq, k_pos) = locate(cu_q, total_q), locate(cu_k, total_k)
         offset = (cu_k[1:] - cu_k[:-1]) - (cu_q[1:] - cu_q[:-1])
-        return cls(q_seq, q_pos, k_seq, k_pos, offset)
+        return cls(q_seq, q_pos + offset[q_seq], k_seq, k_pos)
 
-    def at(self, q_idx: Array, kv_idx: Array) -> tuple[Array, Array, Array, Array]:
-        """`(query's sequence, same sequence, query position aligned on the keys', key
-        position)` of the pairs; indices past the ends (blocks' padding, masked anyway)
-        are clipped."""
+    def at(self, q_idx: Array, kv_idx: Array) -> tuple[Array, Array, Array]:
+        """`(query's sequence, query position, key position)` of the pairs; indices past
+        the ends (blocks' padding, masked anyway) are clipped."""
         def take(x: Array, i: Array) -> Array:
             return jnp.take(x, i, mode="clip")
 
-        seq = take(self.q_seq, q_idx)
-        same = seq == take(self.k_seq, kv_idx)
-        return (seq, same, take(self.q_pos, q_idx) + take(self.offset, seq),
-                take(self.k_pos, kv_idx))
+        return take(self.q_seq, q_idx), take(self.q_pos, q_idx), take(self.k_pos, kv_idx)
 
 
 class _AlibiWithinSequence(eqx.Module):
@@ -207,6 +201,6 @@ class _AlibiWithinSequence(eqx.Module):
 
     def __call__(self, s, b, h, q_idx, kv_idx):
         del b
-        seq, _, p, j = self.packing.at(q_idx, kv_idx)
+        seq, p, j = self.packing.at(q_idx, kv_idx)
         slope = self.slopes[seq, h]
         return s - slope.astype(s.dtype) * jnp.abs(p - j).astype(s.dtype)

@@ -234,7 +234,8 @@ def run_limits(cfg: KernelConfig, ops: Operands, by: str) -> Limits | None:
     `block_mask`'s flags and the run that is whole by position (None when none
     applies)."""
     by_position = position_limits(cfg, ops, by)
-    found = [x for x in (segment_limits(cfg, ops, by), by_position and by_position[:2],
+    found = [x for x in (segment_limits(cfg, ops, by),
+                         None if by_position is None else by_position[:2],
                          length_limits(cfg, ops, by)) if x is not None]
     flags = oriented_flags(ops, by)
     if not found:

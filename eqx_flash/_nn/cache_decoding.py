@@ -58,8 +58,7 @@ def decode_with_cache(layer: Any, x: Array, cache: KVCache, process_heads: Any
                                        **mods)
             # A cache run past `max_len` on several devices (see `KVCache.append`).
             heads = jnp.where(cache.length > cache.size, jnp.nan, heads)
-        else:
-            _check_rolling(layer, cache)
+        else:  # (a rolling cache: checked above)
             # Attend to the buffer and the new tokens by absolute position (causal and
             # the window measured on them, key blocks out of reach skipped), then write.
             key_pos = jnp.concatenate([cache.positions(), positions])
@@ -82,8 +81,8 @@ def decode_with_cache(layer: Any, x: Array, cache: KVCache, process_heads: Any
         return jax.vmap(layer.output_proj)(attn), cache
 
 
-def _check_rolling(layer: Any, cache: KVCache) -> Any:
-    """The layer's window, which a rolling `cache` must cover."""
+def _check_rolling(layer: Any, cache: KVCache) -> None:
+    """A `ValueError` unless the layer's window fits a rolling `cache`."""
     window = make_options(**static_options(layer)).window
     if window.right != 0 or window.left is None or window.left >= cache.size:
         raise ValueError(
@@ -91,7 +90,6 @@ def _check_rolling(layer: Any, cache: KVCache) -> Any:
             f"window reaches back at most {cache.size - 1} tokens; got "
             f"causal={layer.causal}, window={layer.window!r}"
         )
-    return window
 
 
 def _mods_at(layer: Any, q_offset: Array, kv_positions: Array | None) -> dict[str, Any]:
