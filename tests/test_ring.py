@@ -246,49 +246,37 @@ def _assert_same_first_derivatives(expected_fn, fn, q):
             np.testing.assert_allclose(a[finite], b[finite], atol=1e-5)
 
 
-def test_ulysses_on_one_device_is_flash_attention():
-    """On a one-device mesh (the all-to-alls are identities): every option, values,
-    gradients and the jvp as flash_attention's; a score_mod and mask_mod work (the ring
-    refuses them)."""
+# Per strategy: the seed of the inputs and the options beyond the shared score_mod and
+# mask_mod (all_gather's moved onto global positions).
+ONE_DEVICE_CASES = {
+    "ulysses": (0, dict(causal=True, softcap=2.0, kv_lengths=jnp.array([20, 11]))),
+    "all_gather": (1, dict(causal=True, window=(7, 0), q_lengths=jnp.array([24, 13]),
+                           kv_lengths=jnp.array([24, 17]))),
+}
+
+
+@pytest.mark.parametrize("strategy", list(ONE_DEVICE_CASES))
+def test_strategy_on_one_device_is_flash_attention(strategy):
+    """On a one-device mesh (the all-to-alls and all-gathers are identities): causal with
+    lengths, ALiBi, a score_mod and mask_mod (the ring refuses them), values, gradients
+    and the jvp as flash_attention's."""
     mesh = Mesh(np.array(jax.devices()[:1]), ("seq",))
-    rng = np.random.default_rng(0)
+    seed, extra = ONE_DEVICE_CASES[strategy]
+    rng = np.random.default_rng(seed)
     q = jnp.asarray(rng.standard_normal((2, 4, 24, 8)), jnp.float32)
     k = jnp.asarray(rng.standard_normal((2, 2, 24, 8)), jnp.float32)
-    options = dict(causal=True, softcap=2.0, kv_lengths=jnp.array([20, 11]),
-                   alibi_slopes=jnp.array([0.1, 0.2, 0.3, 0.4]),
+    options = dict(extra, alibi_slopes=jnp.array([0.1, 0.2, 0.3, 0.4]),
                    score_mod=lambda s, b, h, i, j: s + 0.01 * (h * (i - j)).astype(s.dtype),
                    mask_mod=lambda b, h, i, j: (i + j) % 5 != 0, block_q=8, block_k=8)
 
     def single(q):
         return eqx_flash.flash_attention(q, k, k, **options)
 
-    def ulysses(q):
+    def sharded(q):
         return eqx_flash.sharded_flash_attention(q, k, k, mesh=mesh, seq_axis="seq",
-                                                 strategy="ulysses", **options)
+                                                 strategy=strategy, **options)
 
-    _assert_same_first_derivatives(single, ulysses, q)
-
-
-def test_all_gather_on_one_device_is_flash_attention():
-    """On a one-device mesh: causal with lengths, ALiBi, a score_mod and mask_mod (moved
-    onto global positions), values, gradients and the jvp as flash_attention's."""
-    mesh = Mesh(np.array(jax.devices()[:1]), ("seq",))
-    rng = np.random.default_rng(1)
-    q = jnp.asarray(rng.standard_normal((2, 4, 24, 8)), jnp.float32)
-    k = jnp.asarray(rng.standard_normal((2, 2, 24, 8)), jnp.float32)
-    options = dict(causal=True, window=(7, 0), q_lengths=jnp.array([24, 13]),
-                   kv_lengths=jnp.array([24, 17]), alibi_slopes=jnp.array([0.1, 0.2, 0.3, 0.4]),
-                   score_mod=lambda s, b, h, i, j: s + 0.01 * (h * (i - j)).astype(s.dtype),
-                   mask_mod=lambda b, h, i, j: (i + j) % 5 != 0, block_q=8, block_k=8)
-
-    def single(q):
-        return eqx_flash.flash_attention(q, k, k, **options)
-
-    def gathered(q):
-        return eqx_flash.sharded_flash_attention(q, k, k, mesh=mesh, seq_axis="seq",
-                                                 strategy="all_gather", **options)
-
-    _assert_same_first_derivatives(single, gathered, q)
+    _assert_same_first_derivatives(single, sharded, q)
 
 
 def test_ring_outside_shard_map():
