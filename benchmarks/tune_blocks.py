@@ -1,10 +1,11 @@
 """Block-size sweep behind `DEFAULT_BLOCKS` and `DEFAULT_BLOCKS_BANDED` (`eqx_flash/_config.py`).
 
-    python benchmarks/tune_blocks.py [--seq 4096] [--heads 4] [--reps 3]
+    python benchmarks/tune_blocks.py [--seq 4096] [--heads 4] [--reps 3] [--forward]
 
-Times jitted forward+backward (causal and not) for each block pair in one process,
-interleaving the candidates each repetition so machine noise hits them alike, and writes
-`benchmarks/tune_blocks.json`. The recorded result is in `benchmarks/tune_blocks.md`.
+Times jitted forward+backward (or, with `--forward`, the forward alone; causal and not)
+for each block pair in one process, interleaving the candidates each repetition so
+machine noise hits them alike, and writes `benchmarks/tune_blocks.json`. The recorded
+result is in `benchmarks/tune_blocks.md`.
 """
 
 import argparse
@@ -18,7 +19,8 @@ import numpy as np
 from eqx_flash import flash_attention
 
 CANDIDATES = [(256, 256), (512, 256), (1024, 256), (256, 512), (512, 512), (1024, 512),
-              (256, 1024), (512, 1024), (1024, 1024), (256, 2048), (512, 2048), (384, 384)]
+              (256, 1024), (512, 1024), (1024, 1024), (256, 2048), (512, 2048), (384, 384),
+              (1024, 2048), (2048, 1024), (2048, 2048)]
 
 
 def main() -> None:
@@ -27,6 +29,7 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--forward", action="store_true", help="time the forward alone")
     p.add_argument("--out", type=pathlib.Path,
                    default=pathlib.Path(__file__).parent / "tune_blocks.json")
     args = p.parse_args()
@@ -39,7 +42,8 @@ def main() -> None:
             def loss(q, k, v, bq=bq, bk=bk, causal=causal):
                 return flash_attention(q, k, v, causal=causal, block_q=bq, block_k=bk)[0].sum()
 
-            fns[(causal, bq, bk)] = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+            fns[(causal, bq, bk)] = jax.jit(loss if args.forward
+                                            else jax.grad(loss, argnums=(0, 1, 2)))
     for name, f in fns.items():
         print("compiling", name, flush=True)
         jax.block_until_ready(f(q, k, v))

@@ -81,7 +81,8 @@ def prepare_kernels(bound: Bound) -> tuple[KernelConfig, Operands]:
     arrays and block summary added (`score_mod`/`mask_mod` are traced at the block
     sizes; a call with them runs the regular kernels at those sizes)."""
     shapes, ops = bound.shapes, bound.operands
-    cfg = dataclasses.replace(kernel_config(bound.options, shapes), lengths=ops.has_lengths,
+    base = kernel_config(bound.options, shapes, mask_mod=bound.mask_mod is not None)
+    cfg = dataclasses.replace(base, lengths=ops.has_lengths,
                               positions=ops.has_positions)
     mods, mod_ops = trace_mods(bound.score_mod, bound.mask_mod, shapes.heads, shapes.groups,
                                cfg.block_q, cfg.block_k, stat_dtype(bound.q.dtype))

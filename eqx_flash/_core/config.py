@@ -15,23 +15,35 @@ from .options import AttentionOptions, Window
 from .shapes import Shapes
 
 # Tuned on a 2-core x86-64 CPU: benchmarks/tune_blocks.py, result in benchmarks/tune_blocks.md.
-# Long key blocks suit the backward pass (a key block's dk/dv stay in its loop's carry, and
-# each step's products get larger). With a causal/window band, smaller blocks leave less of
-# the masked triangle inside diagonal blocks, but only down to 512 x 512 (or 256 x 512, as
-# wasteful at seq 4096 and no faster): XLA's CPU GEMM takes as long for a 256 x 256 product
-# as for a 256 x 512 one (`benchmarks/gemm_shapes.py`), so smaller blocks stop saving time.
-DEFAULT_BLOCKS = (512, 1024)
-DEFAULT_BLOCKS_BANDED = (512, 512)
+# Large blocks run XLA's CPU GEMM nearer its peak: at seq 4096 the block products alone run
+# at 0.86 of the 2048^3 matmul rate with 1024 x 2048 blocks against 0.69 with 512 x 1024,
+# and the softmax's elementwise passes cost about the same per logit either way. The
+# backward prefers long key blocks too (a key block's dk/dv stay in its loop's carry).
+# With a causal/window band, 1024 x 1024 leaves less of the masked triangle inside the
+# diagonal blocks than 1024 x 2048 and beats the smaller 512 x 512 on GEMM rate.
+DEFAULT_BLOCKS = (1024, 2048)
+DEFAULT_BLOCKS_BANDED = (1024, 1024)
+# Flash-decoding splits the key blocks into parallel runs (`split_k_config`): shorter key
+# blocks keep several rounds per run at moderate cache lengths.
+DECODE_BLOCK_K = 1024
+# A `mask_mod` skips work only in blocks it empties, so its calls (and the `block_mask`s
+# built for them) keep finer blocks.
+MASK_MOD_BLOCKS = (512, 1024)
 
 
-def default_blocks(window: Window, groups: int = 1) -> tuple[int, int]:
-    """Tuned default `(block_q, block_k)` for a call with this causal/window band.
+def default_blocks(window: Window, groups: int = 1, mask_mod: bool = False
+                   ) -> tuple[int, int]:
+    """Tuned default `(block_q, block_k)` for a call with this causal/window band (and
+    a `mask_mod`, if `mask_mod`).
 
     The kernels fold a kv head's `groups` query heads into the rows of one block, so the
     logit block is `(groups * block_q, block_k)`: `block_q` shrinks with `groups` to keep
     it the tuned size (at least 64 rows per head).
     """
-    block_q, block_k = DEFAULT_BLOCKS if window.is_unbounded else DEFAULT_BLOCKS_BANDED
+    if mask_mod:
+        block_q, block_k = MASK_MOD_BLOCKS
+    else:
+        block_q, block_k = DEFAULT_BLOCKS if window.is_unbounded else DEFAULT_BLOCKS_BANDED
     return max(block_q // groups, 64), block_k
 
 
@@ -94,10 +106,13 @@ class KernelConfig:
         return Window(None, None) if self.lengths or self.positions else self.window
 
 
-def kernel_config(options: AttentionOptions, shapes: Shapes) -> KernelConfig:
+def kernel_config(options: AttentionOptions, shapes: Shapes, mask_mod: bool = False
+                  ) -> KernelConfig:
     """The kernels' configuration for `options` on a problem of `shapes` (block sizes
-    default to the tuned `default_blocks`)."""
-    tuned_q, tuned_k = default_blocks(options.window, shapes.groups)
+    default to the tuned `default_blocks`; `mask_mod`: the call has one)."""
+    tuned_q, tuned_k = default_blocks(options.window, shapes.groups, mask_mod)
+    if shapes.seq_q <= SPLIT_K_MAX_Q:
+        tuned_k = min(tuned_k, DECODE_BLOCK_K)
     return KernelConfig(
         seq_q=shapes.seq_q,
         seq_k=shapes.seq_k,

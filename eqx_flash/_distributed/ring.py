@@ -407,7 +407,7 @@ def ring_of(bound: Bound, axis_name: Hashable, n: int, layout: Layout, local: An
                 f"must be divisible by {m}"
             )
     piece = dataclasses.replace(shapes, seq_q=shapes.seq_q // m, seq_k=shapes.seq_k // m)
-    base = kernel_config(bound.options, piece)
+    base = kernel_config(bound.options, piece, mask_mod=bound.mask_mod is not None)
     mods, mod_ops = trace_mods(bound.score_mod, bound.mask_mod, shapes.heads, shapes.groups,
                                base.block_q, base.block_k, stat_dtype(bound.q.dtype))
     # ALiBi aligns the global indices on the global sequence (`ring_operands`).

@@ -1,0 +1,211 @@
+"""eqx_flash against the JAX attention libraries that install, side by side in one process.
+
+    pip install -e ".[bench]"   # adds the peers that install for this Python
+    python benchmarks/bench_peers.py [--seq 4096] [--rounds 7] [--memory-seq 16384]
+        [--out benchmarks/peers_results.md]
+
+Peers (each skipped, and said so, when it does not import): `jax.nn.dot_product_attention`
+(`implementation="xla"`), tokamax `dot_product_attention` with `implementation="xla"` and
+`"xla_chunked"`, attnax `standard_attention` (dense) and `flash_attention` (blocked jnp on
+CPU), and the seed, `flash-attention-jax`. Each is first checked against
+`eqx_flash.plain_attention` (values and gradients) on a small problem, then every call is
+timed in shuffled interleaved rounds with a 2048^3 float32 matmul, whose rate is the
+"peak" the fractions are of. The last column is the compiled temporary memory of the
+causal forward+backward at `--memory-seq` (XLA's `memory_analysis()`; compiled, not run).
+
+FLOP counts: 4 * seq^2 * dim per head for the forward (two block products), 3.5x that for
+forward+backward (eqx_flash recomputes the logits: 7 products); causal counts half.
+"""
+
+import importlib.metadata
+import platform
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from _interleave import interleaved_medians, problem_arguments
+
+import eqx_flash
+
+Attend = Callable[[jax.Array, jax.Array, jax.Array, bool], jax.Array]  # (b, h, s, d) -> out
+
+
+def _eqx_flash(q, k, v, causal):
+    return eqx_flash.flash_attention(q, k, v, causal=causal)[0]
+
+
+def _bthd(fn):
+    """A peer that takes `(batch, seq, heads, dim)`, in eqx_flash's layout."""
+    def attend(q, k, v, causal):
+        q, k, v = (x.swapaxes(1, 2) for x in (q, k, v))
+        return fn(q, k, v, causal).swapaxes(1, 2)
+    return attend
+
+
+def _causal_mask(seq: int) -> jax.Array:
+    return jnp.tril(jnp.ones((seq, seq), bool))[None, None]
+
+
+def peers() -> tuple[dict[str, Attend], dict[str, str]]:
+    """`({name: attend}, {name: why it is missing})`."""
+    found: dict[str, Attend] = {
+        "eqx_flash": _eqx_flash,
+        "jax.nn xla": _bthd(lambda q, k, v, c: jax.nn.dot_product_attention(
+            q, k, v, is_causal=c, implementation="xla")),
+    }
+    missing: dict[str, str] = {}
+    try:
+        import tokamax
+
+        for impl in ("xla", "xla_chunked"):
+            found[f"tokamax {impl}"] = _bthd(lambda q, k, v, c, impl=impl:
+                                             tokamax.dot_product_attention(
+                                                 q, k, v, is_causal=c, implementation=impl))
+    except ImportError as e:
+        missing["tokamax"] = str(e)
+    try:
+        import attnax
+
+        def attnax_fn(fn):
+            def attend(q, k, v, causal):
+                mask = _causal_mask(q.shape[-2]) if causal else None
+                return fn(q, k, v, mask=mask)
+            return attend
+
+        found["attnax standard_attention"] = attnax_fn(attnax.standard_attention)
+        found["attnax flash_attention"] = attnax_fn(attnax.flash_attention)
+    except ImportError as e:
+        missing["attnax"] = str(e)
+    try:
+        import flash_attention_jax as seed
+
+        def seed_attend(q, k, v, causal):
+            if causal:
+                return seed.causal_flash_attention(q, k, v)
+            mask = jnp.ones((q.shape[0], k.shape[-2]), bool)
+            return seed.flash_attention(q, k, v, mask)
+
+        found["seed (flash-attention-jax)"] = seed_attend
+    except ImportError as e:
+        missing["seed (flash-attention-jax)"] = str(e)
+    return found, missing
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"
+
+
+def _loss(attend: Attend, causal: bool):
+    return lambda q, k, v: jnp.sum(attend(q, k, v, causal))
+
+
+def _reference(q, k, v, causal):
+    return eqx_flash.plain_attention(q, k, v, causal=causal)[0]
+
+
+def check_against_reference(name: str, attend: Attend) -> str | None:
+    """None if `attend` matches `plain_attention` (values and gradients), else why not."""
+    shape = (1, 2, 256, 32)
+    q, k, v = (jax.random.normal(jax.random.key(i), shape) for i in range(3))
+    for causal in (False, True):
+        want = _reference(q, k, v, causal)
+        got = jax.jit(attend, static_argnums=3)(q, k, v, causal)
+        ref_grad = jax.grad(_loss(_reference, causal), argnums=(0, 1, 2))(q, k, v)
+        grad = jax.jit(jax.grad(_loss(attend, causal), argnums=(0, 1, 2)))(q, k, v)
+        errors = [float(jnp.max(jnp.abs(got - want)))]
+        errors += [float(jnp.max(jnp.abs(a - b))) for a, b in zip(grad, ref_grad, strict=True)]
+        if max(errors) > 2e-4:
+            return f"{name} causal={causal} differs from plain_attention by {max(errors):.2e}"
+    return None
+
+
+def compiled_temp_mib(attend: Attend, seq: int, heads: int, dim: int) -> float:
+    x = jax.ShapeDtypeStruct((1, heads, seq, dim), jnp.float32)
+    fn = jax.jit(jax.grad(_loss(attend, True), argnums=(0, 1, 2)))
+    analysis = fn.lower(x, x, x).compile().memory_analysis()
+    return float("nan") if analysis is None else analysis.temp_size_in_bytes / 2**20
+
+
+def main() -> None:
+    p = problem_arguments(__doc__)
+    p.add_argument("--memory-seq", type=int, default=16384)
+    p.add_argument("--out", type=Path, default=None, help="write the markdown table here")
+    args = p.parse_args()
+    sys.argv = sys.argv[:1]  # tokamax parses absl flags from sys.argv on first use
+    found, missing = peers()
+    for name, attend in list(found.items()):
+        why = check_against_reference(name, attend)
+        if why is not None:
+            print(f"skipping: {why}", flush=True)
+            missing[name] = why
+            del found[name]
+    shape = (1, args.heads, args.seq, args.dim)
+    q, k, v = (jax.random.normal(jax.random.key(i), shape) for i in range(3))
+    modes = {"fwd": False, "fwd causal": True, "fwd+bwd": False, "fwd+bwd causal": True}
+    calls: dict[str, Callable[[], object]] = {}
+    for name, attend in found.items():
+        for mode, causal in modes.items():
+            if mode.startswith("fwd+bwd"):
+                fn = jax.jit(jax.grad(_loss(attend, causal), argnums=(0, 1, 2)))
+            else:
+                fn = jax.jit(lambda q, k, v, a=attend, c=causal: a(q, k, v, c))
+            calls[f"{name}|{mode}"] = lambda fn=fn: fn(q, k, v)
+    a = jnp.ones((2048, 2048), jnp.float32)
+    matmul = jax.jit(lambda a: a @ a)
+    calls["matmul"] = lambda: matmul(a)
+    medians = interleaved_medians(calls, args.rounds, jax.block_until_ready)
+    peak = 2 * 2048**3 / medians.pop("matmul")
+    forward_flops = 4 * args.seq**2 * args.dim * args.heads
+
+    def flops(mode: str) -> float:
+        return forward_flops * (3.5 if mode.startswith("fwd+bwd") else 1) * (
+            0.5 if mode.endswith("causal") else 1)
+
+    memory = {name: compiled_temp_mib(attend, args.memory_seq, args.heads, args.dim)
+              for name, attend in found.items()}
+    versions = {"jax": _version("jax"), "tokamax": _version("tokamax"),
+                "attnax": _version("attnax"), "flash-attention-jax":
+                _version("flash-attention-jax"), "eqx_flash": _version("eqx_flash")}
+    lines = [
+        f"Python {platform.python_version()}, "
+        + ", ".join(f"{k} {v}" for k, v in versions.items())
+        + f"; {platform.machine()}, {jax.device_count()} {jax.default_backend()} device(s)",
+        "",
+        f"seq {args.seq}, batch 1, {args.heads} heads, dim {args.dim}, float32; medians of "
+        f"{args.rounds} interleaved rounds; float32 matmul peak (2048^3) in this run: "
+        f"{peak / 1e9:.0f} GFLOP/s. Cells: ms (time / eqx_flash's time; for eqx_flash, the "
+        "fraction of the matmul peak).",
+        "",
+        "| impl | " + " | ".join(modes) + f" | fwd+bwd causal temp at seq {args.memory_seq} |",
+        "|---" * (len(modes) + 2) + "|",
+    ]
+    for name in found:
+        cells = []
+        for mode in modes:
+            t = medians[f"{name}|{mode}"]
+            ours = medians[f"eqx_flash|{mode}"]
+            ratio = (f"{flops(mode) / t / peak:.2f} of peak" if name == "eqx_flash"
+                     else f"{t / ours:.2f}x")
+            cells.append(f"{t * 1e3:.0f} ({ratio})")
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {memory[name]:.0f} MiB |")
+    lines.append("")
+    for mode in modes:
+        others = [medians[f"{n}|{mode}"] for n in found if n != "eqx_flash"]
+        if others:
+            lines.append(f"- {mode}: fastest peer / eqx_flash = "
+                         f"{min(others) / medians[f'eqx_flash|{mode}']:.2f}x")
+    for name, why in missing.items():
+        lines.append(f"- not measured: {name} ({why})")
+    text = "\n".join(lines)
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
