@@ -154,12 +154,17 @@ def test_no_block_is_spent_across_sequences(monkeypatch):
     diagonal, fewer than causal attention over the whole packed sequence would."""
     from test_flex import _BlockCounter
 
+    from eqx_flash._core.config import FINE_BLOCKS_BANDED
+
     counter = _BlockCounter(monkeypatch)
     n, length = 8, 256
     x = jax.random.normal(jax.random.key(0), (n * length, 2, 32))
     cu = jnp.arange(0, n * length + 1, length, dtype=jnp.int32)
     varlen = counter.run(lambda: eqx_flash.flash_attn_varlen_func(
         x, x, x, cu, cu, length, length, causal=True))["forward"]
+    # At the blocks the packed call runs with (segment ids keep the fine ones).
+    block_q, block_k = FINE_BLOCKS_BANDED
     whole = counter.run(lambda: eqx_flash.flash_attention(
-        *(jnp.swapaxes(x, 0, 1),) * 3, causal=True))["forward"]
+        *(jnp.swapaxes(x, 0, 1),) * 3, causal=True, block_q=block_q,
+        block_k=block_k))["forward"]
     assert 0 < varlen < whole, (varlen, whole)

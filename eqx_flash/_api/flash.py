@@ -20,7 +20,14 @@ from beartype import beartype
 from jaxtyping import Array, PRNGKeyArray, jaxtyped
 
 from .._autodiff.derivatives import with_custom_derivatives
-from .._core.config import KernelConfig, kernel_config, kernel_dtype, split_k_config, stat_dtype
+from .._core.config import (
+    KernelConfig,
+    kernel_config,
+    kernel_dtype,
+    split_k_config,
+    stat_dtype,
+    wants_fine_blocks,
+)
 from .._core.operands import (
     Operands,
     combine,
@@ -81,7 +88,8 @@ def prepare_kernels(bound: Bound) -> tuple[KernelConfig, Operands]:
     arrays and block summary added (`score_mod`/`mask_mod` are traced at the block
     sizes; a call with them runs the regular kernels at those sizes)."""
     shapes, ops = bound.shapes, bound.operands
-    base = kernel_config(bound.options, shapes, mask_mod=bound.mask_mod is not None)
+    fine = wants_fine_blocks(ops, bound.mask_mod is not None)
+    base = kernel_config(bound.options, shapes, fine)
     cfg = dataclasses.replace(base, lengths=ops.has_lengths,
                               positions=ops.has_positions)
     mods, mod_ops = trace_mods(bound.score_mod, bound.mask_mod, shapes.heads, shapes.groups,

@@ -11,6 +11,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from .operands import Operands
 from .options import AttentionOptions, Window
 from .shapes import Shapes
 
@@ -26,24 +27,34 @@ DEFAULT_BLOCKS_BANDED = (1024, 1024)
 # Flash-decoding splits the key blocks into parallel runs (`split_k_config`): shorter key
 # blocks keep several rounds per run at moderate cache lengths.
 DECODE_BLOCK_K = 1024
-# A `mask_mod` skips work only in blocks it empties, so its calls (and the `block_mask`s
-# built for them) keep finer blocks.
-MASK_MOD_BLOCKS = (512, 1024)
+# Calls whose work follows a finer structure than the band keep finer blocks
+# (`wants_fine_blocks`): at seq 4096, 512-token documents by segment ids ran 1.6x slower
+# and a trained full bias 1.4x slower with the large blocks (`benchmarks/ab.py`).
+FINE_BLOCKS = (512, 1024)
+FINE_BLOCKS_BANDED = (512, 512)
 
 
-def default_blocks(window: Window, groups: int = 1, mask_mod: bool = False
-                   ) -> tuple[int, int]:
-    """Tuned default `(block_q, block_k)` for a call with this causal/window band (and
-    a `mask_mod`, if `mask_mod`).
+def wants_fine_blocks(ops: Operands, mask_mod: bool) -> bool:
+    """Whether a call's cost follows structure finer than its band: a `mask_mod` (or
+    `block_mask`), a pair mask, segment ids, lengths and positions skip work block by
+    block at run time, and a bias is read (and its cotangent summed) block by block.
+    A key-padding mask alone does not: padding rarely empties a whole block."""
+    return mask_mod or ops.has_lengths or ops.has_positions or any(x is not None for x in (
+        ops.pair_mask, ops.q_segment_ids, ops.kv_segment_ids, ops.bias))
+
+
+def default_blocks(window: Window, groups: int = 1, fine: bool = False) -> tuple[int, int]:
+    """Tuned default `(block_q, block_k)` for a call with this causal/window band
+    (`fine`: `wants_fine_blocks`).
 
     The kernels fold a kv head's `groups` query heads into the rows of one block, so the
     logit block is `(groups * block_q, block_k)`: `block_q` shrinks with `groups` to keep
     it the tuned size (at least 64 rows per head).
     """
-    if mask_mod:
-        block_q, block_k = MASK_MOD_BLOCKS
+    if window.is_unbounded:
+        block_q, block_k = FINE_BLOCKS if fine else DEFAULT_BLOCKS
     else:
-        block_q, block_k = DEFAULT_BLOCKS if window.is_unbounded else DEFAULT_BLOCKS_BANDED
+        block_q, block_k = FINE_BLOCKS_BANDED if fine else DEFAULT_BLOCKS_BANDED
     return max(block_q // groups, 64), block_k
 
 
@@ -106,11 +117,11 @@ class KernelConfig:
         return Window(None, None) if self.lengths or self.positions else self.window
 
 
-def kernel_config(options: AttentionOptions, shapes: Shapes, mask_mod: bool = False
+def kernel_config(options: AttentionOptions, shapes: Shapes, fine: bool = False
                   ) -> KernelConfig:
     """The kernels' configuration for `options` on a problem of `shapes` (block sizes
-    default to the tuned `default_blocks`; `mask_mod`: the call has one)."""
-    tuned_q, tuned_k = default_blocks(options.window, shapes.groups, mask_mod)
+    default to the tuned `default_blocks`; `fine`: `wants_fine_blocks`)."""
+    tuned_q, tuned_k = default_blocks(options.window, shapes.groups, fine)
     if shapes.seq_q <= SPLIT_K_MAX_Q:
         tuned_k = min(tuned_k, DECODE_BLOCK_K)
     return KernelConfig(

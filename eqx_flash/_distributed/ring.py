@@ -23,7 +23,7 @@ from jaxtyping import Array, jaxtyped
 from .._api.binder import Bound, bind, refuse
 from .._autodiff.custom_linear import custom_linear
 from .._autodiff.derivatives import with_custom_derivatives
-from .._core.config import KernelConfig, kernel_config, stat_dtype
+from .._core.config import KernelConfig, kernel_config, stat_dtype, wants_fine_blocks
 from .._core.operands import (
     Operands,
     add_cotangents,
@@ -407,7 +407,8 @@ def ring_of(bound: Bound, axis_name: Hashable, n: int, layout: Layout, local: An
                 f"must be divisible by {m}"
             )
     piece = dataclasses.replace(shapes, seq_q=shapes.seq_q // m, seq_k=shapes.seq_k // m)
-    base = kernel_config(bound.options, piece, mask_mod=bound.mask_mod is not None)
+    fine = wants_fine_blocks(bound.operands, bound.mask_mod is not None)
+    base = kernel_config(bound.options, piece, fine)
     mods, mod_ops = trace_mods(bound.score_mod, bound.mask_mod, shapes.heads, shapes.groups,
                                base.block_q, base.block_k, stat_dtype(bound.q.dtype))
     # ALiBi aligns the global indices on the global sequence (`ring_operands`).

@@ -96,7 +96,7 @@ def make_block_mask(
             raise ValueError(f"{name} must be a positive int; got {name}={n!r}")
     groups = 1 if kv_heads is None else max(heads // kv_heads, 1)
     options = make_options(block_q=block_q, block_k=block_k)
-    tuned_q, tuned_k = default_blocks(Window(), groups, mask_mod=True)
+    tuned_q, tuned_k = default_blocks(Window(), groups, fine=True)
     bq = choose_block(options.block_q, tuned_q, seq_q)
     bk = choose_block(options.block_k, tuned_k, seq_k)
     batch = math.prod(batch_shape)
