@@ -1,6 +1,11 @@
 """A/B: this checkout's kernels against another git revision's, interleaved in one process.
 
     python benchmarks/ab.py --base main~1 [--seq 4096] [--rounds 7] [--only jvp,decode]
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python benchmarks/ab.py --only sharded
+
+With 4 or more devices, `sharded_flash_attention` joins the list (each strategy, causal
+fwd+bwd, the sequence over 4 devices); the single-device configurations then map heads
+with `vmap` (`_kernels.heads.heads_in_parallel`), so compare those without the flag.
 
 Machines here are shared and noisy, so "before" and "after" numbers from two runs are not
 comparable. This extracts the package at `--base` into a temporary directory under another
@@ -10,6 +15,7 @@ configuration (below 1: the checkout is faster).
 """
 
 import argparse
+import functools
 import importlib
 import random
 import statistics
@@ -86,7 +92,7 @@ def _configs(seq: int, heads: int, dim: int):
     def forward(**kwargs):
         return lambda p: (jax.jit(lambda q, k, v: p.flash_attention(q, k, v, **kwargs)), mha)
 
-    return {
+    configs = {
         "forward": forward(),
         "forward causal": forward(causal=True),
         "forward segment ids": forward(q_segment_ids=segments, kv_segment_ids=segments),
@@ -101,6 +107,27 @@ def _configs(seq: int, heads: int, dim: int):
             _grad(lambda q, k, v, b: p.flash_attention(q, k, v, bias=b),
                   argnums=(0, 1, 2, 3)), [*mha, bias]),
     }
+    if jax.device_count() >= 4:
+        configs |= _sharded_configs(mha)
+    return configs
+
+
+def _sharded_configs(mha):
+    """Causal fwd+bwd of `sharded_flash_attention` per strategy, sequence over 4 devices."""
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()[:4]), ("seq",))
+    placed = [jax.device_put(x, NamedSharding(mesh, PartitionSpec(None, None, "seq")))
+              for x in mha]
+
+    def build(strategy):
+        def attend(q, k, v, p):
+            return p.sharded_flash_attention(q, k, v, mesh=mesh, seq_axis="seq", causal=True,
+                                             strategy=strategy)
+        return lambda p: (_grad(functools.partial(attend, p=p)), placed)
+
+    return {f"sharded {s} fwd+bwd causal": build(s) for s in ("ring", "ulysses", "all_gather")}
 
 
 def main() -> None:

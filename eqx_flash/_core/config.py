@@ -43,14 +43,24 @@ def wants_fine_blocks(ops: Operands, mask_mod: bool) -> bool:
         ops.pair_mask, ops.q_segment_ids, ops.kv_segment_ids, ops.bias))
 
 
+def single_cpu_device() -> bool:
+    """Whether JAX runs on one CPU device: the kernels then loop over heads, each block
+    product a 2-d GEMM on every core (`_kernels.heads.heads_in_parallel`), which the large
+    default blocks are tuned for. Several host devices share the cores with heads mapped
+    by `vmap`, where the large blocks measured slower (Ulysses on 4 host devices, causal
+    fwd+bwd: 1.12-1.15x); there, and on accelerators, the fine blocks are the defaults."""
+    return jax.device_count() == 1 and jax.default_backend() == "cpu"
+
+
 def default_blocks(window: Window, groups: int = 1, fine: bool = False) -> tuple[int, int]:
     """Tuned default `(block_q, block_k)` for a call with this causal/window band
-    (`fine`: `wants_fine_blocks`).
+    (`fine`: `wants_fine_blocks`; always fine off a `single_cpu_device`).
 
     The kernels fold a kv head's `groups` query heads into the rows of one block, so the
     logit block is `(groups * block_q, block_k)`: `block_q` shrinks with `groups` to keep
     it the tuned size (at least 64 rows per head).
     """
+    fine = fine or not single_cpu_device()
     if window.is_unbounded:
         block_q, block_k = FINE_BLOCKS if fine else DEFAULT_BLOCKS
     else:

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
+from .._core.config import single_cpu_device
 from .._core.operands import Operands, combine, per_head_part
 from .._semantics.dropout import flat_head_index
 
@@ -65,7 +66,7 @@ def heads_in_parallel() -> bool:
     the loop's memory, still independent of the sequence length). A single CPU device runs
     the loop, which measured fastest there (`benchmarks/tune_blocks.md`).
     """
-    return jax.device_count() > 1 or jax.default_backend() != "cpu"
+    return not single_cpu_device()
 
 
 def per_head(
