@@ -51,54 +51,35 @@ def bind(
     v: ArrayLike,
     mask: ArrayLike | None = None,
     *,
-    attn_mask: ArrayLike | None = None,
-    causal: Any = False,
-    window: Any = None,
-    q_segment_ids: ArrayLike | None = None,
-    kv_segment_ids: ArrayLike | None = None,
-    q_lengths: ArrayLike | None = None,
-    kv_lengths: ArrayLike | None = None,
-    q_positions: ArrayLike | None = None,
-    kv_positions: ArrayLike | None = None,
-    scale: Any = None,
-    softcap: Any = None,
-    block_q: Any = None,
-    block_k: Any = None,
-    dropout_rate: Any = 0.0,
     key: Any = None,
-    bias: ArrayLike | None = None,
-    alibi_slopes: ArrayLike | None = None,
-    sinks: ArrayLike | None = None,
     score_mod: Any = None,
     mask_mod: Any = None,
     block_mask: Any = None,
     return_max_scores: Any = False,
     key_columns: Callable[[], int] | None = None,
+    **arguments: Any,
 ) -> Bound:
     """Check every argument of `entry` (the public function's name, for messages) and
     bind them. Entry points pass their whole signature (`bind(name, **locals())`); an
-    argument they do not take keeps its default.
+    argument they do not take keeps its default. `arguments` are the static options
+    (`make_options`' keywords) and the per-call arrays by their public names
+    (`Operands`' `argument` metadata), so a new one of either needs no change here.
 
     `key_columns`: gives the length of `bias`'s key axis when it is not `k`'s (the ring:
     a device's rows against every key); called after the options are checked, so that
     the ring reports a bad option before it looks for its mesh axis.
     """
-    del entry  # every message names the argument itself
-    options = make_options(
-        causal=causal, window=window, scale=scale, softcap=softcap, block_q=block_q,
-        block_k=block_k, dropout_rate=dropout_rate,
-    )
+    public = operands_.public_arguments()
+    given = {name: arguments.pop(name) for name in public if name in arguments}
+    given["mask"] = mask
+    options = make_options(**arguments)  # a name that is neither: Python's TypeError
     q, k, v, shapes = check_qkv(q, k, v)
     bias_shapes = shapes if key_columns is None else dataclasses.replace(
         shapes, seq_k=key_columns())
-    given = dict(mask=mask, attn_mask=attn_mask, q_segment_ids=q_segment_ids,
-                 kv_segment_ids=kv_segment_ids, bias=bias, alibi_slopes=alibi_slopes,
-                 sinks=sinks, q_lengths=q_lengths, kv_lengths=kv_lengths,
-                 q_positions=q_positions, kv_positions=kv_positions)
     _check_pairs(given, ("q_segment_ids", "kv_segment_ids"))
     _check_pairs(given, ("q_positions", "kv_positions"))
     fields = {}
-    for argument, name in operands_.public_arguments().items():
+    for argument, name in public.items():
         kind, value = operands_.kind_of(name), given.get(argument)
         if kind is None or value is None:
             continue
@@ -121,8 +102,8 @@ def bind(
 def _check_pairs(given: dict[str, Any], pair: tuple[str, str]) -> None:
     """Both arguments of `pair` or neither."""
     first, second = pair
-    if (given[first] is None) != (given[second] is None):
-        present, missing = (first, second) if given[second] is None else (second, first)
+    if (given.get(first) is None) != (given.get(second) is None):
+        present, missing = (first, second) if given.get(second) is None else (second, first)
         raise ValueError(f"{first} and {second} must be given together; got {present} but "
                          f"{missing}=None")
 

@@ -24,7 +24,7 @@ from .batching import batch_by_map
 from .guard import add_guard_tangent, derivative_guard, is_zero_tangent
 
 
-def _evaluate(*args, num_in, num_out, bwd, res_tree, which, second_order_message, tangent):
+def _run_linear(*args, num_in, num_out, bwd, res_tree, which, second_order_message, tangent):
     """The tangents of the outputs for the non-zero input tangents (after the residuals
     and the outputs)."""
     del bwd, which, second_order_message
@@ -34,8 +34,8 @@ def _evaluate(*args, num_in, num_out, bwd, res_tree, which, second_order_message
 
 _linear_p = Primitive("eqx_flash_custom_linear")
 _linear_p.multiple_results = True
-_linear_p.def_impl(_evaluate)
-mlir.register_lowering(_linear_p, mlir.lower_fun(_evaluate, multiple_results=True))
+_linear_p.def_impl(_run_linear)
+mlir.register_lowering(_linear_p, mlir.lower_fun(_run_linear, multiple_results=True))
 
 
 def _abstract_eval(*args, num_in, num_out, **params):

@@ -38,7 +38,7 @@ def _per_batch(x: Any, batch_shape: tuple[int, ...]) -> Any:
     return None if x is None else jnp.broadcast_to(jnp.asarray(x, jnp.int32), batch_shape)
 
 
-def _per_head(x: Any, shapes: Shapes) -> Any:
+def _slopes_per_row(x: Any, shapes: Shapes) -> Any:
     """ALiBi slopes `(heads,)` or `(*batch, heads)` as `(batch, heads)`."""
     x = jnp.asarray(x)
     return jnp.broadcast_to(x, (*shapes.batch_shape, shapes.heads)).reshape(-1, shapes.heads)
@@ -103,7 +103,7 @@ def all_gather_attention(
     given_positions = q_positions is not None
     alibi_in_score = not given_positions and any(x is not None for x in lengths.values())
     slopes = arguments.pop("alibi_slopes") if alibi_in_score else None
-    slopes = None if slopes is None else _per_head(slopes, shapes)
+    slopes = None if slopes is None else _slopes_per_row(slopes, shapes)
     make_positions = not given_positions and (
         not window.is_unbounded or arguments.get("alibi_slopes") is not None)
     if make_positions:

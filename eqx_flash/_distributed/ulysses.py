@@ -29,7 +29,7 @@ from .._api.flash import attend
 from .._core.operands import SHARED, Operands, layout_of, map_fields
 
 
-def _check_heads(shapes, n: int, head_devices: int) -> int:
+def _check_head_split(shapes, n: int, head_devices: int) -> int:
     """The kv-head repeat factor (1: none) for `n` devices along the sequence axis and
     `head_devices` along the heads axis, or a ValueError."""
     heads, kv_heads = shapes.heads, shapes.kv_heads
@@ -68,7 +68,7 @@ def _repeat_kv_heads(ops: Operands, kv_heads: int, groups: int, repeat: int) -> 
     return map_fields(one, ops)
 
 
-def _operand_specs(ops: Operands, heads_spec: Any, batch_axis: Hashable | None) -> Operands:
+def _head_sharded_specs(ops: Operands, heads_spec: Any, batch_axis: Hashable | None) -> Operands:
     def spec(name: str, x: Any) -> Any:
         if layout_of(name) == SHARED:
             return jax.tree.map(lambda _: PartitionSpec(), x)
@@ -100,7 +100,7 @@ def ulysses_attention(bound: Bound, *, mesh: Mesh, seq_axis: Hashable,
     shapes = bound.shapes
     n = mesh.shape[seq_axis]
     head_devices = 1 if head_axis is None else mesh.shape[head_axis]
-    repeat = _check_heads(shapes, n, head_devices)
+    repeat = _check_head_split(shapes, n, head_devices)
     k, v, ops = bound.k, bound.v, bound.operands
     if repeat > 1:
         k, v = (jnp.repeat(x, repeat, axis=-3) for x in (k, v))
@@ -139,7 +139,7 @@ def ulysses_attention(bound: Bound, *, mesh: Mesh, seq_axis: Hashable,
     num_stats = 2 if bound.return_max_scores else 1
     mapped = jax.shard_map(
         body, mesh=mesh,
-        in_specs=(qkv_spec, qkv_spec, qkv_spec, _operand_specs(ops, heads_spec, batch_axis)),
+        in_specs=(qkv_spec, qkv_spec, qkv_spec, _head_sharded_specs(ops, heads_spec, batch_axis)),
         out_specs=(qkv_spec, *([stat_spec] * num_stats)),
         # The blockwise kernels create unsharded accumulators (as on the ring).
         check_vma=False,

@@ -155,9 +155,6 @@ class FlashAttention(eqx.Module):
         rate = dropout_rate("dropout_p", self.dropout_p, inference, key)
         return attend_heads(
             q, k, v, mask, static_options(self), rate, key,
-            per_call_arrays(self, score_mod, mask_mod, q_lengths=q_lengths,
-                            kv_lengths=kv_lengths, q_positions=q_positions,
-                            kv_positions=kv_positions, bias=bias, alibi_slopes=alibi_slopes,
-                            sinks=sinks, block_mask=block_mask),
+            per_call_arrays(self, locals()),
             return_max_scores,
         )

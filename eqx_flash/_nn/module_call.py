@@ -13,8 +13,8 @@ import jax
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .._api.flash import flash_attention
+from .._core.operands import public_arguments
 from .._core.options import KERNEL_OPTIONS, check_rate
-from .._core.types import MaskMod, ScoreMod
 
 # `(seq_k,)` key padding, `(seq_q, seq_k)` shared by all heads, or one per head.
 Mask = Bool[Array, "seq_k"] | Bool[Array, "seq_q seq_k"] | Bool[Array, "heads seq_q seq_k"]
@@ -83,13 +83,16 @@ def dropout_rate(name: str, p: Any, inference: bool, key: PRNGKeyArray | None) -
     return rate
 
 
-def per_call_arrays(module: Any, score_mod: ScoreMod | None, mask_mod: MaskMod | None,
-                    **arrays: Any) -> dict[str, Any]:
-    """`flash_attention`'s keywords given at call time (`arrays`: lengths, positions,
-    score terms, sinks, block mask); the `score_mod`/`mask_mod` given then, else the
-    module's."""
-    return dict(arrays, score_mod=module.score_mod if score_mod is None else score_mod,
-                mask_mod=module.mask_mod if mask_mod is None else mask_mod)
+def per_call_arrays(module: Any, arguments: dict[str, Any]) -> dict[str, Any]:
+    """`flash_attention`'s per-call keywords among a module call's `arguments` (its
+    `locals()`): the arrays it names as `Operands` arguments (lengths, positions, score
+    terms, sinks; the Equinox-style `mask` is the caller's own), the `block_mask`, and
+    the `score_mod`/`mask_mod` given then, else the module's."""
+    arrays = {name: arguments[name] for name in public_arguments()
+              if name in arguments and name != "mask"}
+    mods = {name: getattr(module, name) if arguments.get(name) is None else arguments[name]
+            for name in ("score_mod", "mask_mod")}
+    return dict(arrays, block_mask=arguments.get("block_mask"), **mods)
 
 
 def attend_heads(

@@ -141,7 +141,7 @@ class FlashMultiheadAttention(eqx.Module):
         if not isinstance(use_sinks, bool):
             raise TypeError(f"use_sinks must be a bool; got use_sinks={use_sinks!r}")
         # Checked before any size is derived or any Linear is built with a bad size.
-        _check_heads(num_heads, num_heads if num_kv_heads is None else num_kv_heads)
+        _check_head_counts(num_heads, num_heads if num_kv_heads is None else num_kv_heads)
         _check_sizes(query_size=query_size, key_size=key_size, value_size=value_size,
                      output_size=output_size, qk_size=qk_size, vo_size=vo_size)
         # Exactly eqx.nn.MultiheadAttention's key use, so weights agree for the same key.
@@ -190,7 +190,7 @@ class FlashMultiheadAttention(eqx.Module):
         self.sinks = jnp.zeros(num_heads, self.query_proj.weight.dtype) if use_sinks else None
 
     def __check_init__(self):
-        _check_heads(self.num_heads, self.num_kv_heads)
+        _check_head_counts(self.num_heads, self.num_kv_heads)
         _check_sizes(**{name: getattr(self, name) for name in (
             "query_size", "key_size", "value_size", "output_size", "qk_size", "vo_size")})
         make_options(**static_options(self))
@@ -333,11 +333,7 @@ class FlashMultiheadAttention(eqx.Module):
             result = attend_heads(
                 jnp.swapaxes(q, 0, 1), jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1), mask,
                 static_options(self), rate, key,
-                per_call_arrays(self, score_mod, mask_mod, q_lengths=q_lengths,
-                                kv_lengths=kv_lengths, q_positions=q_positions,
-                                kv_positions=kv_positions, bias=bias,
-                                alibi_slopes=alibi_slopes, sinks=self.sinks,
-                                block_mask=block_mask),
+                per_call_arrays(self, locals() | {"sinks": self.sinks}),
                 return_max_scores,
             )
             heads, max_scores = result if isinstance(result, tuple) else (result, None)
@@ -406,7 +402,7 @@ class FlashMultiheadAttention(eqx.Module):
         return decode_with_cache(self, x, cache, process_heads)
 
 
-def _check_heads(num_heads: Any, num_kv_heads: Any) -> None:
+def _check_head_counts(num_heads: Any, num_kv_heads: Any) -> None:
     for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError(f"{name} must be a positive int; got {name}={value!r}")

@@ -13,6 +13,18 @@ from .._core.operands import Operands
 from .._core.options import Window
 
 
+def within_window(allowed: Array | None, k_pos: Array, p: Array, window: Window) -> Array:
+    """`allowed` (None: everything) and `p - left <= k_pos <= p + right`, the one
+    statement of the window (a side that is None is unbounded; at least one is not when
+    `allowed` is None)."""
+    for inside in (None if window.left is None else k_pos >= p - window.left,
+                   None if window.right is None else k_pos <= p + window.right):
+        if inside is not None:
+            allowed = inside if allowed is None else allowed & inside
+    assert allowed is not None
+    return allowed
+
+
 def positional_mask(
     q_pos: Int[Array, "*#b"], k_pos: Int[Array, "*#b"], offset: int, seq_k: int, window: Window
 ) -> Bool[Array, "*#b"]:
@@ -21,13 +33,7 @@ def positional_mask(
 
     The result broadcasts against the positions (without a window it depends on `k_pos`
     alone)."""
-    p = q_pos + offset
-    allowed = k_pos < seq_k
-    if window.left is not None:
-        allowed = allowed & (k_pos >= p - window.left)
-    if window.right is not None:
-        allowed = allowed & (k_pos <= p + window.right)
-    return allowed
+    return within_window(k_pos < seq_k, k_pos, q_pos + offset, window)
 
 
 def length_mask(
@@ -39,12 +45,7 @@ def length_mask(
     *valid* lengths). With lengths the kernels' static band ignores the window
     (`KernelConfig.band_window`) and this predicate applies it instead."""
     allowed = (q_pos < q_len) & (k_pos < kv_len)
-    p = q_pos + (kv_len - q_len)
-    if window.left is not None:
-        allowed = allowed & (k_pos >= p - window.left)
-    if window.right is not None:
-        allowed = allowed & (k_pos <= p + window.right)
-    return allowed
+    return within_window(allowed, k_pos, q_pos + (kv_len - q_len), window)
 
 
 def position_mask(
@@ -58,13 +59,7 @@ def position_mask(
         return None
     qp = block_of(ops.q_positions, q_start, k_start, block_q, block_k)
     kp = block_of(ops.kv_positions, q_start, k_start, block_q, block_k)
-    allowed = None
-    if window.left is not None:
-        allowed = kp >= qp - window.left
-    if window.right is not None:
-        upper = kp <= qp + window.right
-        allowed = upper if allowed is None else allowed & upper
-    return allowed
+    return within_window(None, kp, qp, window)
 
 
 def length_window(ops: Operands, window: Window) -> Window:
