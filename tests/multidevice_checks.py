@@ -460,10 +460,10 @@ def check_ulysses():
         mask_mod=lambda b, h, i, j: (i + j + h) % 7 != 0, block_q=8, block_k=8)
     results = {}
 
-    def compare(name, mesh, heads, kv_heads, causal, **axes):
-        q = jax.random.normal(keys[0], (B, heads, seq, D))
-        k, v = (jax.random.normal(x, (B, kv_heads, seq, D)) for x in keys[1:3])
-        extra = dict(bias=jax.random.normal(keys[5], (B, heads, seq, seq)),
+    def compare(name, mesh, heads, kv_heads, causal, lead=(B,), **axes):
+        q = jax.random.normal(keys[0], (*lead, heads, seq, D))
+        k, v = (jax.random.normal(x, (*lead, kv_heads, seq, D)) for x in keys[1:3])
+        extra = dict(bias=jax.random.normal(keys[5], (*lead, heads, seq, seq)),
                      alibi_slopes=jnp.linspace(0.1, 0.4, heads),
                      sinks=jnp.linspace(-1.0, 1.0, heads), causal=causal)
 
@@ -487,6 +487,12 @@ def check_ulysses():
     compare("batch_axis", grid, 4, 2, causal=True, batch_axis="data")
     heads_grid = Mesh(np.array(jax.devices()).reshape(2, 2), ("model", "seq"))
     compare("head_axis", heads_grid, 8, 4, causal=True, head_axis="model")
+    # Two batch axes, the first sharded: the mods' flat batch index is global.
+    options.update(score_mod=lambda s, b, h, i, j: s + table[h] * 0.1 * (i - j) + 0.2 * b,
+                   mask_mod=lambda b, h, i, j: (i + j + h + b) % 7 != 0,
+                   mask=jax.random.uniform(keys[4], (2, 2, seq)) > 0.2,
+                   q_segment_ids=None, kv_segment_ids=None, kv_lengths=None)
+    compare("two_batch_axes", grid, 4, 2, causal=True, lead=(2, 2), batch_axis="data")
 
     def error(**shapes):
         q = jnp.ones((B, shapes["heads"], seq, D))
@@ -589,26 +595,30 @@ def check_all_gather():
     """`sharded_flash_attention(strategy="all_gather")` against single-device
     `flash_attention`, values, gradients, jvp and HVP: causal (zigzag) and windowed with
     GQA, key mask, segment ids, lengths, bias, ALiBi, sinks, a score_mod and mask_mod on
-    global indices; full attention (contiguous) with seq_q != seq_k; the program's
-    all-gathers."""
+    global indices; full attention (contiguous) with seq_q != seq_k; batch and heads
+    sharded over a 2 x 2 mesh (two batch axes, mods reading the batch and head); the
+    program's all-gathers."""
     keys = jax.random.split(jax.random.key(5), 8)
-    table = jax.random.normal(keys[3], (H,))
+    table = jax.random.normal(keys[3], (8,))
     results = {}
 
-    def compare(name, seq_q, seq_k, **options):
-        q = jax.random.normal(keys[0], (B, H, seq_q, D))
-        k, v = (jax.random.normal(x, (B, KH, seq_k, D)) for x in keys[1:3])
-        extra = dict(bias=jax.random.normal(keys[5], (B, H, seq_q, seq_k)),
-                     alibi_slopes=jnp.linspace(0.1, 0.4, H), sinks=jnp.linspace(-1.0, 1.0, H),
-                     mask=jax.random.uniform(keys[4], (B, seq_k)) > 0.2, block_q=8, block_k=8)
+    def compare(name, seq_q, seq_k, mesh=None, lead=(B,), heads=H, kv_heads=KH, axes=None,
+                **options):
+        q = jax.random.normal(keys[0], (*lead, heads, seq_q, D))
+        k, v = (jax.random.normal(x, (*lead, kv_heads, seq_k, D)) for x in keys[1:3])
+        options = dict(bias=jax.random.normal(keys[5], (*lead, heads, seq_q, seq_k)),
+                       alibi_slopes=jnp.linspace(0.1, 0.4, heads),
+                       sinks=jnp.linspace(-1.0, 1.0, heads),
+                       mask=jax.random.uniform(keys[4], (*lead, seq_k)) > 0.2, block_q=8,
+                       block_k=8) | options
 
         def single(q, k, v):
-            return eqx_flash.flash_attention(q, k, v, **options, **extra)
+            return eqx_flash.flash_attention(q, k, v, **options)
 
         def gathered(q, k, v):
             return eqx_flash.sharded_flash_attention(
-                q, k, v, mesh=_seq_mesh(4), seq_axis="seq", strategy="all_gather", **options,
-                **extra)
+                q, k, v, mesh=mesh or _seq_mesh(4), seq_axis="seq", strategy="all_gather",
+                **(axes or {}), **options)
 
         results.update(_derivative_errors(name, single, gathered, q, k, v))
         text = jax.jit(gathered).lower(q, k, v).as_text()
@@ -617,12 +627,24 @@ def check_all_gather():
     seq = 64
     ids = jnp.asarray(np.stack([np.arange(seq) * 3 // seq, np.arange(seq) * 2 // seq]),
                       jnp.int32)
-    compare("causal_everything", seq, seq, causal=True, q_segment_ids=ids, kv_segment_ids=ids,
-            q_lengths=jnp.array([60, 40]), kv_lengths=jnp.array([64, 50]),
-            score_mod=lambda s, b, h, i, j: s + table[h] * 0.01 * (i - j),
-            mask_mod=lambda b, h, i, j: (i + 2 * j) % 7 != 0)
+    everything = dict(
+        causal=True, q_segment_ids=ids, kv_segment_ids=ids, q_lengths=jnp.array([60, 40]),
+        kv_lengths=jnp.array([64, 50]),
+        score_mod=lambda s, b, h, i, j: s + table[h] * 0.01 * (i - j) + 0.1 * b,
+        mask_mod=lambda b, h, i, j: (i + 2 * j + b + h) % 7 != 0)
+    compare("causal_everything", seq, seq, **everything)
     compare("window", seq, seq, window=(9, 3), softcap=3.0)
     compare("full_cross", 32, 64)
+    grid = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "seq"))
+    compare("batch_axis", seq, seq, grid, axes=dict(batch_axis="data"), **everything)
+    heads_grid = Mesh(np.array(jax.devices()).reshape(2, 2), ("model", "seq"))
+    compare("head_axis", seq, seq, heads_grid, heads=8, kv_heads=4,
+            axes=dict(head_axis="model"), **everything)
+    # Two batch axes, the first sharded: the mods' flat batch index is global.
+    compare("two_batch_axes", seq, seq, grid, lead=(2, 2), axes=dict(batch_axis="data"),
+            window=(20, 0), alibi_slopes=None,
+            score_mod=lambda s, b, h, i, j: s + 0.1 * b * table[h],
+            mask_mod=lambda b, h, i, j: (i + j + b) % 5 != 0)
     return results
 
 

@@ -113,10 +113,11 @@ def test_ring_forward_mode_matches_single_device():
 @pytest.mark.multidevice
 def test_all_gather_matches_single_device():
     """strategy="all_gather" (zigzag causal with every option, a window, full attention
-    with seq_q != seq_k): values, gradients, jvp and HVP equal single-device
-    flash_attention; the program all-gathers k and v."""
+    with seq_q != seq_k; batch and heads sharded too): values, gradients, jvp and HVP
+    equal single-device flash_attention; the program all-gathers k and v."""
     result = multidevice("all_gather")
-    for case in ("causal_everything", "window", "full_cross"):
+    for case in ("causal_everything", "window", "full_cross", "batch_axis", "head_axis",
+                 "two_batch_axes"):
         for part in ("values", "grads", "jvp", "hvp"):
             assert result[f"{case}_{part}"] < TOL, (case, part, result)
         assert result[f"{case}_all_gather"] >= 2, (case, result)
@@ -141,10 +142,12 @@ def test_positions_match_single_device():
 @pytest.mark.multidevice
 def test_ulysses_matches_single_device():
     """strategy="ulysses" with every option: values, gradients, jvp and HVP equal
-    single-device flash_attention (GQA split, repeated, MQA; batch and heads axes);
-    three all-to-alls in and two out; head counts that do not split are ValueErrors."""
+    single-device flash_attention (GQA split, repeated, MQA; batch and heads axes, two
+    batch axes); three all-to-alls in and two out; head counts that do not split are
+    ValueErrors."""
     result = multidevice("ulysses")
-    cases = ("gqa_divisible", "gqa_repeated", "mqa", "batch_axis", "head_axis")
+    cases = ("gqa_divisible", "gqa_repeated", "mqa", "batch_axis", "head_axis",
+             "two_batch_axes")
     for case in cases:
         for part in ("values", "grads", "jvp", "hvp"):
             assert result[f"{case}_{part}"] < TOL, (case, part, result)
@@ -221,9 +224,9 @@ def test_strategy_errors():
     with pytest.raises(ValueError,
                        match="strategy must be one of 'ring', 'ulysses', 'all_gather'"):
         eqx_flash.sharded_flash_attention(x, x, x, mesh=mesh, seq_axis="seq", strategy="tree")
-    with pytest.raises(NotImplementedError, match="all_gather.*batch_axis: not yet"):
+    with pytest.raises(NotImplementedError, match="all_gather.*layout"):
         eqx_flash.sharded_flash_attention(x, x, x, mesh=mesh, seq_axis="seq",
-                                          strategy="all_gather", batch_axis="seq")
+                                          strategy="all_gather", layout="zigzag")
     with pytest.raises(NotImplementedError, match="ulysses.*block_mask"):
         bm = eqx_flash.make_block_mask(lambda b, h, i, j: i >= j, (), 2, 8, 8, 8, 8)
         eqx_flash.sharded_flash_attention(x, x, x, mesh=mesh, seq_axis="seq",

@@ -1,186 +1,208 @@
 """All-gather context parallelism (kvax, Llama-3 style): every device gets all the keys.
 
-q stays sharded along the sequence; k and v (and the key-side arrays) are all-gathered
-along it inside `jax.shard_map`, and each device attends its own queries to every key
-with the single-device kernels (`flash_attention`: forward mode and second-order
-derivatives included). The backward pass is the transpose of the gather: a
-reduce-scatter of dk and dv. k and v cost O(seq) per device (the queries, outputs and
-their gradients O(seq / devices)).
+q stays sharded along the sequence; k and v are all-gathered along it inside
+`jax.shard_map`, and each device attends its own queries to every key with the
+single-device kernels (`_api.flash.attend`: forward mode and second-order derivatives
+included). The backward pass is the transpose of the gather: a reduce-scatter of dk and
+dv. k and v cost O(seq) per device (the queries, outputs and their gradients
+O(seq / devices)). Batch and heads may be sharded over other mesh axes at the same time.
+
+The operands are the bound call's (internal layout), so how each is sharded follows from
+its shape alone: the query rows of a `GRID` operand go with the queries, its key columns
+stay whole on every device (as k and v do once gathered), its batch and kv-head axes
+follow `batch_axis` and `head_axis`.
 
 A device's queries sit at a global offset known only at run time (its axis index), so
 causal, the window and ALiBi are measured on positions (`q_positions`/`kv_positions`):
 the caller's, else each query's global index aligned bottom-right (on the valid lengths
-when given), so that each device's kernels skip the key blocks out of reach at run time.
-Valid lengths become each piece's own; a user's `score_mod`/`mask_mod` are called with
-global query indices (and ALiBi with lengths, aligned on the sequences as in
-`flash_attention`, joins the `score_mod`). For causal or windowed attention the queries
-are balanced with the zigzag layout (device `d` holds chunks `d` and `2n - 1 - d`), each
+when given), built once for the whole sequence and sharded with the queries, so that each
+device's kernels skip the key blocks out of reach at run time. Valid query lengths become
+each piece's own; a user's `score_mod`/`mask_mod` are called with global batch, head and
+query indices (and ALiBi with lengths, which `flash_attention` aligns on the sequences,
+not the lengths, joins the `score_mod`). For causal or windowed attention the queries are
+balanced with the zigzag layout (device `d` holds chunks `d` and `2n - 1 - d`), each
 chunk attended on its own.
 """
 
+import dataclasses
 from collections.abc import Hashable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array
 
-from .._api.flash import flash_attention
-from .._core.options import Window
+from .._api.binder import Bound
+from .._api.flash import attend
+from .._core.operands import SHARED, Operands, layout_of, map_fields, replace
 from .._core.shapes import Shapes
 from .sequence_order import from_ring_layout, to_ring_layout
 
-
-def _per_batch(x: Any, batch_shape: tuple[int, ...]) -> Any:
-    """Lengths `(*batch,)` (axes 1 or missing broadcast) as `batch_shape`."""
-    return None if x is None else jnp.broadcast_to(jnp.asarray(x, jnp.int32), batch_shape)
+ROWS = 3  # the query axis of a GRID operand (`_core.operands`)
 
 
-def _slopes_per_row(x: Any, shapes: Shapes) -> Any:
-    """ALiBi slopes `(heads,)` or `(*batch, heads)` as `(batch, heads)`."""
-    x = jnp.asarray(x)
-    return jnp.broadcast_to(x, (*shapes.batch_shape, shapes.heads)).reshape(-1, shapes.heads)
+def check_all_gather(shapes: Shapes, n: int, head_devices: int) -> None:
+    """ValueError unless the sequences split over `n` devices and the kv heads over
+    `head_devices`."""
+    for name, seq in (("seq_q", shapes.seq_q), ("seq_k", shapes.seq_k)):
+        if seq % n:
+            raise ValueError(f"strategy='all_gather' splits the sequence over {n} devices; "
+                             f"{name}={seq} is not divisible by {n}")
+    if shapes.kv_heads % head_devices:
+        raise ValueError(f"strategy='all_gather' with head_axis splits the kv heads over "
+                         f"{head_devices} devices; got heads={shapes.heads}, "
+                         f"kv_heads={shapes.kv_heads}")
 
 
-def _query_positions(shapes: Shapes, start: Any, chunk: int, lengths: dict[str, Any]
-                     ) -> Array:
-    """Positions of `chunk` queries from global index `start` against keys at positions
-    `arange(seq_k)`, aligned bottom-right as `flash_attention` aligns causal and the
-    window: on the valid lengths when given (`(*batch, chunk)`), else on the sequences."""
-    index = start + jnp.arange(chunk, dtype=jnp.int32)
-    q_len, kv_len = lengths["q_lengths"], lengths["kv_lengths"]
-    if q_len is None and kv_len is None:
-        return index + (shapes.seq_k - shapes.seq_q)
-    q_len = shapes.seq_q if q_len is None else q_len
-    kv_len = shapes.seq_k if kv_len is None else kv_len
-    shift = jnp.broadcast_to(jnp.asarray(kv_len - q_len, jnp.int32), shapes.batch_shape)
-    return shift[..., None] + index.reshape((1,) * len(shapes.batch_shape) + (chunk,))
+def _with_positions(bound: Bound) -> tuple[Bound, Array | None]:
+    """The call with causal, the window and ALiBi on positions, where they need the
+    queries' global offset: the caller's positions, else each query's global index
+    aligned bottom-right as `flash_attention` aligns it (on the valid lengths when
+    given). With lengths, ALiBi (which `flash_attention` aligns on the sequences) is
+    taken out and returned, for `_alibi_score_mod`."""
+    ops, shapes, window = bound.operands, bound.shapes, bound.options.window
+    if ops.has_positions:
+        return bound, None
+    slopes = None
+    if ops.alibi_slopes is not None and ops.has_lengths:
+        slopes, ops = ops.alibi_slopes, replace(ops, alibi_slopes=None)
+    if not window.is_unbounded or ops.alibi_slopes is not None:
+        shift: Any = shapes.seq_k - shapes.seq_q
+        if ops.has_lengths:
+            q_len = shapes.seq_q if ops.q_lengths is None else ops.q_lengths
+            kv_len = shapes.seq_k if ops.kv_lengths is None else ops.kv_lengths
+            shift = jnp.asarray(kv_len - q_len, jnp.int32)  # (batch|1, 1, 1, 1, 1)
+        ops = replace(
+            ops, q_positions=shift + jnp.arange(shapes.seq_q, dtype=jnp.int32).reshape(
+                1, 1, 1, -1, 1),
+            kv_positions=jnp.arange(shapes.seq_k, dtype=jnp.int32).reshape(1, 1, 1, 1, -1))
+    return dataclasses.replace(bound, operands=ops), slopes
 
 
-def _global_mods(offset: Any, slopes: Any, shapes: Shapes, score_mod: Any, mask_mod: Any
-                 ) -> tuple[Any, Any]:
-    """`(score_mod, mask_mod)` on a device's local query indices `i` whose global index is
-    `i + offset`: the user's own modifications at global indices, and ALiBi `slopes`
-    (`(batch, heads)`, or None) on global indices aligned on the sequences."""
+def _alibi_score_mod(slopes: Array | None, shapes: Shapes, score_mod: Any) -> Any:
+    """ALiBi on indices aligned on the sequences (`flash_attention`'s with lengths) as a
+    `score_mod` in front of `score_mod`, called with global indices; `slopes` internal
+    `(batch|1, kv_heads|1, groups|1, 1, 1)` (None: `score_mod` as it is)."""
+    if slopes is None:
+        return score_mod
     shift = shapes.seq_k - shapes.seq_q
+    per_head = jnp.broadcast_to(slopes, (slopes.shape[0], shapes.kv_heads, shapes.groups, 1,
+                                         1)).reshape(slopes.shape[0], shapes.heads)
 
     def score(s, b, h, i, j):
-        gi = i + offset
-        if slopes is not None:
-            distance = jnp.abs(gi + shift - j).astype(s.dtype)
-            s = s - slopes[b, h].astype(s.dtype) * distance
-        return s if score_mod is None else score_mod(s, b, h, gi, j)
+        row = b if per_head.shape[0] > 1 else 0
+        s = s - per_head[row, h].astype(s.dtype) * jnp.abs(i + shift - j).astype(s.dtype)
+        return s if score_mod is None else score_mod(s, b, h, i, j)
 
-    def mask(b, h, i, j):
-        return mask_mod(b, h, i + offset, j)
-
-    return (None if slopes is None and score_mod is None else score,
-            None if mask_mod is None else mask)
+    return score
 
 
-def all_gather_attention(
-    q, k, v, mask, arguments: dict[str, Any], *, shapes: Shapes, window: Window, mesh: Mesh,
-    seq_axis: Hashable, zigzag: bool,
-) -> tuple[Any, ...]:
-    """`flash_attention(q, k, v, mask, **arguments)` with the sequence of q, k, v sharded
-    over `seq_axis`, k and v all-gathered; results sharded along the sequence like q.
-    `arguments` are the public keyword arguments (already checked by the binder)."""
+def _global_indices(fn: Any, batch: Any, head: Any, query: Any, with_score: bool) -> Any:
+    """A score_mod/mask_mod called with global batch, head and query indices (local
+    ones plus these offsets)."""
+    if fn is None:
+        return None
+    if with_score:
+        return lambda s, b, h, i, j: fn(s, b + batch, h + head, i + query, j)
+    return lambda b, h, i, j: fn(b + batch, h + head, i + query, j)
+
+
+def _operand_specs(ops: Operands, seq_axis: Hashable, batch_axis: Hashable | None,
+                   head_axis: Hashable | None) -> Operands:
+    """Each operand's `PartitionSpec`: query rows with the queries, key columns whole,
+    batch and kv heads over their mesh axes where the operand has them."""
+
+    def spec(name: str, x: Any) -> Any:
+        if layout_of(name) == SHARED:
+            return jax.tree.map(lambda _: PartitionSpec(), x)
+        axes: list[Hashable | None] = [None] * 5
+        for axis, mesh_axis in ((0, batch_axis), (1, head_axis), (ROWS, seq_axis)):
+            if mesh_axis is not None and x.shape[axis] != 1:
+                axes[axis] = mesh_axis
+        return PartitionSpec(*axes)
+
+    return map_fields(spec, ops)
+
+
+def _rows(ops: Operands, start: int, size: int, first: Any) -> Operands:
+    """One piece of a device's queries: the operands' rows `[start, start + size)`, whose
+    first global query is `first` (valid query lengths become the piece's own)."""
+
+    def piece(name: str, x: Any) -> Any:
+        if name == "q_lengths":
+            return jnp.clip(x - first, 0, size)
+        if layout_of(name) == SHARED or x.shape[ROWS] == 1:
+            return x
+        return jax.lax.slice_in_dim(x, start, start + size, axis=ROWS)
+
+    return map_fields(piece, ops)
+
+
+def all_gather_attention(bound: Bound, *, mesh: Mesh, seq_axis: Hashable,
+                         batch_axis: Hashable | None, head_axis: Hashable | None
+                         ) -> tuple[Array, ...]:
+    """`attend(bound)` with the sequence of q, k, v sharded over `seq_axis` (and batch,
+    heads over `batch_axis`, `head_axis`), k and v all-gathered; results as `attend`'s,
+    sharded along the sequence like q."""
+    shapes, window = bound.shapes, bound.options.window
     n = mesh.shape[seq_axis]
+    head_devices = 1 if head_axis is None else mesh.shape[head_axis]
+    check_all_gather(shapes, n, head_devices)
+    batch_devices = 1 if batch_axis is None else mesh.shape[batch_axis]
+    bound, alibi = _with_positions(bound)
+    zigzag = not window.is_unbounded and shapes.seq_q % (2 * n) == 0
     pieces = 2 if zigzag else 1
     chunk = shapes.seq_q // (n * pieces)
     layout = "zigzag" if zigzag else "contiguous"
-    q_ids, bias = arguments.pop("q_segment_ids"), arguments.pop("bias")
-    q_positions = arguments.pop("q_positions")
-    score_mod, mask_mod = arguments.pop("score_mod"), arguments.pop("mask_mod")
-    lengths = {name: _per_batch(arguments.pop(name), shapes.batch_shape)
-               for name in ("q_lengths", "kv_lengths")}
-    # Causal, the window and ALiBi act on positions: the caller's, else the queries'
-    # global positions aligned as flash_attention aligns them, so each device's kernels
-    # skip the key blocks out of reach at run time. ALiBi with lengths stays aligned on
-    # the sequences (flash_attention's ALiBi ignores the lengths): a score_mod then.
-    given_positions = q_positions is not None
-    alibi_in_score = not given_positions and any(x is not None for x in lengths.values())
-    slopes = arguments.pop("alibi_slopes") if alibi_in_score else None
-    slopes = None if slopes is None else _slopes_per_row(slopes, shapes)
-    make_positions = not given_positions and (
-        not window.is_unbounded or arguments.get("alibi_slopes") is not None)
-    if make_positions:
-        arguments["kv_positions"] = jnp.arange(shapes.seq_k, dtype=jnp.int32)
-    # The query-side arrays in the layout's order, sharded with the queries.
-    rows_bias = bias is not None and jnp.ndim(bias) >= 2 and jnp.shape(bias)[-2] != 1
 
-    def order(x, axis):
-        return to_ring_layout(x, num_devices=n, layout=layout, axis=axis)
+    def order(x: Array, axis: int, inverse: bool = False) -> Array:
+        move = from_ring_layout if inverse else to_ring_layout
+        return move(x, num_devices=n, layout=layout, axis=axis)
 
-    q = order(q, -2)
-    q_ids = None if q_ids is None else order(jnp.asarray(q_ids), -1)
-    q_positions = None if q_positions is None else order(jnp.asarray(q_positions), -1)
-    if rows_bias:
-        bias = order(jnp.asarray(bias), -2)
+    # The query rows in the layout's order, so that contiguous shards are the devices'.
+    q = order(bound.q, -2)
+    ops = map_fields(lambda name, x: x if layout_of(name) == SHARED or x.shape[ROWS] == 1
+                     else order(x, ROWS), bound.operands)
+    local_batch = (shapes.batch_shape[0] // batch_devices, *shapes.batch_shape[1:])
+    local = dataclasses.replace(
+        shapes, batch_shape=local_batch if shapes.batch_shape else (), seq_q=chunk,
+        heads=shapes.heads // head_devices, kv_heads=shapes.kv_heads // head_devices)
 
-    def spec(x: Any, axis: int | None) -> Any:
-        if x is None:
-            return None
-        axes: list[Any] = [None] * jnp.ndim(x)
-        if axis is not None:
-            axes[axis] = seq_axis
-        return PartitionSpec(*axes)
-
-    # Arrays travel through the map (replicated); the rest are static settings.
-    arrays = {n: x for n, x in arguments.items() if isinstance(x, jax.Array | np.ndarray)}
-    static = {n: x for n, x in arguments.items() if n not in arrays}
-    per_row = dict(lengths, alibi_slopes=slopes)
-    replicated = jax.tree.map(lambda _: PartitionSpec(), (mask, per_row, arrays))
-
-    def body(q, k, v, mask, q_ids, q_positions, bias, per_row, arrays):
+    def body(q, k, v, ops, alibi):
+        score_mod = _alibi_score_mod(alibi, shapes, bound.score_mod)
         k, v = (jax.lax.all_gather(x, seq_axis, axis=x.ndim - 2, tiled=True) for x in (k, v))
         me = jax.lax.axis_index(seq_axis)
+        batch = 0 if batch_axis is None else jax.lax.axis_index(batch_axis) * local.batch
+        head = 0 if head_axis is None else jax.lax.axis_index(head_axis) * local.heads
         results = []
         for piece in range(pieces):
             start = piece * chunk
-            index = me if piece == 0 else 2 * n - 1 - me
-            first = index * chunk  # the piece's first global query
-            score, masked = _global_mods(first, per_row["alibi_slopes"], shapes, score_mod,
-                                         mask_mod)
-
-            def rows_of(x, axis, start=start):
-                return None if x is None else jax.lax.slice_in_dim(x, start, start + chunk,
-                                                                   axis=axis)
-
-            local = {}
-            if per_row["q_lengths"] is not None:  # the piece's valid rows
-                local["q_lengths"] = jnp.clip(per_row["q_lengths"] - first, 0, chunk)
-            if per_row["kv_lengths"] is not None:
-                local["kv_lengths"] = per_row["kv_lengths"]
-            if given_positions:
-                local["q_positions"] = rows_of(q_positions, -1)
-            elif make_positions:
-                local["q_positions"] = _query_positions(shapes, first, chunk, per_row)
-            results.append(flash_attention(
-                jax.lax.slice_in_dim(q, start, start + chunk, axis=q.ndim - 2), k, v, mask,
-                q_segment_ids=rows_of(q_ids, -1),
-                bias=rows_of(bias, -2) if rows_bias else bias, score_mod=score,
-                mask_mod=masked, **local, **arrays, **static))
-        if pieces == 1:
-            return results[0]
+            first = (me if piece == 0 else 2 * n - 1 - me) * chunk  # its first global query
+            mine = dataclasses.replace(
+                bound, q=jax.lax.slice_in_dim(q, start, start + chunk, axis=q.ndim - 2),
+                k=k, v=v, operands=_rows(ops, start, chunk, first), shapes=local,
+                score_mod=_global_indices(score_mod, batch, head, first, True),
+                mask_mod=_global_indices(bound.mask_mod, batch, head, first, False))
+            results.append(attend(mine))
         # out's rows are axis -2, the statistics' -1.
         return tuple(jnp.concatenate(parts, axis=-2 if i == 0 else -1)
                      for i, parts in enumerate(zip(*results, strict=True)))
 
-    stats = 2 if static.get("return_max_scores") else 1
+    lead = len(shapes.batch_shape)
+    batch_spec = [batch_axis if i == 0 else None for i in range(lead)]
+    heads_spec = [head_axis] if shapes.has_heads_axis else []
+    qkv_spec = PartitionSpec(*batch_spec, *heads_spec, seq_axis, None)
+    stat_spec = PartitionSpec(*batch_spec, *heads_spec, seq_axis)
+    stats = 2 if bound.return_max_scores else 1
     mapped = jax.shard_map(
         body, mesh=mesh,
-        in_specs=(spec(q, -2), spec(k, -2), spec(v, -2), replicated[0], spec(q_ids, -1),
-                  spec(q_positions, -1), spec(bias, -2 if rows_bias else None), replicated[1],
-                  replicated[2]),
-        out_specs=(spec(q, -2), *([spec(q[..., 0], -1)] * stats)),
+        in_specs=(qkv_spec, qkv_spec, qkv_spec,
+                  _operand_specs(ops, seq_axis, batch_axis, head_axis),
+                  PartitionSpec()),
+        out_specs=(qkv_spec, *([stat_spec] * stats)),
         check_vma=False,  # the blockwise kernels create unsharded accumulators
     )
-    results = mapped(q, k, v, mask, q_ids, q_positions, bias, per_row, arrays)
-    out, *rest = results
-    out = from_ring_layout(out, num_devices=n, layout=layout, axis=-2)
-    rest = [from_ring_layout(x, num_devices=n, layout=layout, axis=-1) for x in rest]
-    return (out, *rest)
+    out, *rest = mapped(q, bound.k, bound.v, ops, alibi)
+    return (order(out, -2, inverse=True), *(order(x, -1, inverse=True) for x in rest))
 

@@ -152,9 +152,10 @@ def sharded_flash_attention(
         `"all_gather"` (kvax, Llama-3 context parallelism): k and v all-gathered, each
         device's queries (zigzag-balanced for causal/window) against every key with the
         single-device kernels; the backward reduce-scatters dk and dv. k and v cost
-        O(seq) per device. Every option works (causal, window and lengths become a
-        `mask_mod` on global positions, ALiBi joins the `score_mod`), and so do forward
-        mode and second order; `block_mask`, `layout`, `batch_axis` and `head_axis`
+        O(seq) per device. Every option works (causal, the window and ALiBi measured on
+        the queries' global positions, a `score_mod`/`mask_mod` called with global
+        indices), with `batch_axis` and `head_axis` too (the kv heads divisible by the
+        head axis), and so do forward mode and second order; `block_mask` and `layout`
         raise `NotImplementedError`.
 
     **Returns:**
@@ -181,9 +182,7 @@ def sharded_flash_attention(
     elif strategy == "all_gather":
         refuse("sharded_flash_attention(strategy='all_gather')", arguments, {
             "block_mask": "pass the mask_mod alone (each device summarises it)",
-            "layout": "it balances causal/window work with the zigzag order itself",
-            "batch_axis": "not yet: use strategy='ring' or 'ulysses' with batch_axis",
-            "head_axis": "not yet: use strategy='ring' or 'ulysses' with head_axis"})
+            "layout": "it balances causal/window work with the zigzag order itself"})
     else:
         refuse("sharded_flash_attention(strategy='ulysses')", arguments, {
             "block_mask": "pass the mask_mod alone (each device summarises it for its "
@@ -205,7 +204,8 @@ def sharded_flash_attention(
         return ulysses_attention(bound, mesh=mesh, seq_axis=seq_axis, batch_axis=batch_axis,
                                  head_axis=head_axis)
     if strategy == "all_gather":
-        return _all_gather(q, k, v, mask, arguments, bound, mesh, seq_axis)
+        return all_gather_attention(bound, mesh=mesh, seq_axis=seq_axis,
+                                    batch_axis=batch_axis, head_axis=head_axis)
     n = mesh.shape[seq_axis]
     if layout is None:
         balanced = n > 1 and not bound.options.window.is_unbounded
@@ -225,20 +225,6 @@ def sharded_flash_attention(
     out, lse = with_sink(out, lse, None if ops.sinks is None else ops.sinks[..., 0])
     out, lse = merge_heads(out, lse, shapes)
     return (out, lse, top.reshape(lse.shape)) if bound.return_max_scores else (out, lse)
-
-
-def _all_gather(q, k, v, mask, arguments: dict, bound, mesh: Mesh, seq_axis: str):
-    shapes, window = bound.shapes, bound.options.window
-    n = mesh.shape[seq_axis]
-    zigzag = not window.is_unbounded and shapes.seq_q % (2 * n) == 0
-    for name, seq in (("seq_q", shapes.seq_q), ("seq_k", shapes.seq_k)):
-        if seq % n:
-            raise ValueError(f"strategy='all_gather' splits the sequence over {n} devices; "
-                             f"{name}={seq} is not divisible by {n}")
-    for name in ("q", "k", "v", "mask", "block_mask"):
-        arguments.pop(name, None)
-    return all_gather_attention(q, k, v, mask, arguments, shapes=shapes, window=window,
-                                mesh=mesh, seq_axis=seq_axis, zigzag=zigzag)
 
 
 # Segment ids of padding: no valid row has them, and a padded query's is not a padded key's.

@@ -113,7 +113,8 @@ def ulysses_attention(bound: Bound, *, mesh: Mesh, seq_axis: Hashable,
     qkv_spec = PartitionSpec(*batch, head_axis, seq_axis, None)
     stat_spec = PartitionSpec(*batch, head_axis, seq_axis)
     heads_spec = seq_axis if head_axis is None else (head_axis, seq_axis)
-    local_batch = shapes.batch_shape[0] // mesh.shape[batch_axis] if batch_axis else 0
+    # The mods' batch index is flat over q's leading axes, the first of them sharded.
+    local_batch = shapes.batch // mesh.shape[batch_axis] if batch_axis else 0
 
     def body(q, k, v, ops):
         # Sequence shards -> head shards: the whole sequence, heads / devices of them.
