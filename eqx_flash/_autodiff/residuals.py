@@ -58,7 +58,7 @@ def with_differentiable(res: Residuals, which: Sequence[bool], new: Sequence[Any
     return res._replace(q=q, k=k, v=v, diff=diff)
 
 
-def zero_tangents_filled(d_arrays: Any, arrays: Any) -> Any:
+def _zero_tangents_filled(d_arrays: Any, arrays: Any) -> Any:
     """A score_mod's arrays are differentiated together: zeros where a tangent is None,
     or None when all are."""
     if all(t is None for t in jax.tree.leaves(d_arrays, is_leaf=lambda t: t is None)):
@@ -75,7 +75,7 @@ def apply_tangent(cfg: KernelConfig, res: Residuals, which: Sequence[bool],
     it = iter(tangents)
     dq, dk, dv, d_diff = jax.tree.unflatten(tree, [next(it) if w else None for w in which])
     if isinstance(d_diff, Operands) and d_diff.score_mod_arrays is not None:
-        d_diff = replace(d_diff, score_mod_arrays=zero_tangents_filled(
+        d_diff = replace(d_diff, score_mod_arrays=_zero_tangents_filled(
             d_diff.score_mod_arrays, res.diff.score_mod_arrays))
     ops = combine(res.diff, res.const)
     return list(tangent(cfg, res.q, res.k, res.v, ops, res.out, res.lse, dq, dk, dv, d_diff))

@@ -23,7 +23,6 @@ from jaxtyping import Array, jaxtyped
 from .._api.binder import Bound, bind, refuse
 from .._autodiff.custom_linear import custom_linear
 from .._autodiff.derivatives import with_custom_derivatives
-from .._autodiff.residuals import zero_tangents_filled
 from .._core.config import KernelConfig, kernel_config, stat_dtype, wants_fine_blocks
 from .._core.operands import (
     Operands,
@@ -58,7 +57,6 @@ from .._core.types import (
 )
 from .._kernels.backward import backward, backward_statistics
 from .._kernels.forward import forward
-from .._kernels.tangent import tangent
 from .._mods.block_mask import BlockMask
 from .._mods.tracing import trace_mods
 from .._semantics import softmax
@@ -214,56 +212,6 @@ def _ring_backward(ring: Ring, q, k, v, ops: RingOperands, lse, delta, d_out, wa
             cast_like(d_common, common_diff))
 
 
-def _tangent_pair(cfg: KernelConfig | None, acc, q, k, v, ops: Operands, out, lse, dq, dk,
-                  dv, d_ops: Operands):
-    """One chunk pair's share of the tangents `(d_out, d_lse)`, given the merged call's
-    `out` and `lse`: the tangent kernel's accumulators are sums over keys, so the
-    pairs' shares add up."""
-    if cfg is None:
-        return acc
-    d_out, d_lse = tangent(cfg, q, k, v, ops, out, lse, dq, dk, dv, d_ops)
-    return acc[0] + d_out.astype(acc[0].dtype), acc[1] + d_lse.astype(acc[1].dtype)
-
-
-def _ring_tangent(ring: Ring, q, k, v, ops: RingOperands, out, lse, d_q, d_k, d_v, d_home,
-                  d_common):
-    """Forward mode as a second pass round the ring, given the merged `out` and `lse`:
-    `d_out` and `d_lse` stay home while k, v and their tangents travel (the mirror of
-    `_ring_backward`). `d_q`, `d_k`, `d_v` are tuples over pieces (None where zero),
-    `d_home`/`d_common` the differentiable operands' tangents."""
-    n, m, variants_of = ring.num_devices, ring.pieces, plan(ring)
-    me = jax.lax.axis_index(ring.axis_name)
-    stat = stat_dtype(q[0].dtype)
-    pad_k = k[0].shape[2]
-    q_index, key_index = _indices(ring, me)
-    acc = tuple((jnp.zeros(o.shape, stat), jnp.zeros(x.shape, stat))
-                for o, x in zip(out, lse, strict=True))
-    acc = vary(acc, (q, k, v, ops, out, lse, d_q, d_k, d_v))
-
-    def step(carry, i):
-        acc, here = carry
-        nxt = shift(here, ring)
-        k, v, travelling, d_k, d_v = here
-        src = (me - i) % n
-        acc = list(acc)
-        for qp in range(m):
-            for kp in range(m):
-                variants, table = variants_of[(qp, kp)]
-                branches = [functools.partial(_tangent_pair, cfg) for cfg in variants]
-                chunk = src * m + kp
-                pair = pair_operands(ops.home[qp], travelling[kp], ops.common, chunk, pad_k,
-                                     q_index[qp], key_index(src, kp))
-                d_pair = pair_operands(d_home[qp], Operands(), d_common, chunk, pad_k, None,
-                                       None)
-                acc[qp] = dispatch(branches, table, me, src, acc[qp], q[qp], k[kp], v[kp],
-                                   pair, out[qp], lse[qp], d_q[qp], d_k[kp], d_v[kp], d_pair)
-        return (tuple(acc), nxt), None
-
-    (acc, _), _ = jax.lax.scan(step, (acc, (k, v, ops.travelling, d_k, d_v)), jnp.arange(n))
-    return (tuple(a[0].astype(o.dtype) for a, o in zip(acc, out, strict=True)),
-            tuple(a[1] for a in acc))
-
-
 def _ring_attention(ring: Ring, q, k, v, home_diff, common_diff, const: RingOperands):
     return _ring_forward(ring, q, k, v, join_differentiable(const, home_diff, common_diff))
 
@@ -273,7 +221,9 @@ def _ring_attention_tangent(ring, residuals, tangents):
     forward whose chunk pairs carry the single-device derivative rules: each pair's
     tangent comes from the tangent kernel, and the merges and transfers are
     differentiated as they are (a ring of tangent partials, in one more pass round the
-    ring beside the primal's). Memory stays that of the forward ring, O(seq / devices)."""
+    ring beside the primal's). Memory stays that of the forward ring, O(seq / devices).
+    A second ring pass against the merged statistics measured the same time and memory
+    (`benchmarks/ring_tangent_results.md`)."""
     q, k, v, home_diff, common_diff, const, *_ = residuals
     primals = (q, k, v, home_diff, common_diff)
     leaves, tree = jax.tree.flatten(primals)
@@ -291,20 +241,6 @@ def _ring_attention_tangent(ring, residuals, tangents):
     marked = [x for x, w in zip(leaves, which, strict=True) if w]
     d_marked = [d for d in d_leaves if d is not None]
     d_out, d_lse = jax.jvp(ring_of_marked, tuple(marked), tuple(d_marked))[1]
-    return d_out, d_lse, tuple(jnp.zeros_like(x) for x in d_lse)
-
-
-def _ring_attention_tangent_two_pass(ring, residuals, tangents):
-    """Forward mode as a second ring pass given the merged `out` and `lse`
-    (`_ring_tangent`)."""
-    q, k, v, home_diff, common_diff, const, out, lse, _ = residuals
-    d_q, d_k, d_v, d_home, d_common = tangents
-    if d_common.score_mod_arrays is not None:
-        d_common = replace(d_common, score_mod_arrays=zero_tangents_filled(
-            d_common.score_mod_arrays, common_diff.score_mod_arrays))
-    ops = join_differentiable(const, home_diff, common_diff)
-    d_out, d_lse = _ring_tangent(ring, q, k, v, ops, out, lse, d_q, d_k, d_v, d_home,
-                                 d_common)
     return d_out, d_lse, tuple(jnp.zeros_like(x) for x in d_lse)
 
 
@@ -332,22 +268,6 @@ _ring_attention_ad = custom_linear(
         "forward and reverse mode. sharded_flash_attention(strategy='ulysses') and "
         "flash_attention support them."),
 )
-
-_ring_attention_ad_two_pass = custom_linear(
-    _ring_attention,
-    lambda ring, args, outs: (*args, *outs),
-    _ring_attention_bwd,
-    _ring_attention_tangent_two_pass,
-    num_diff=5,
-    second_order_message=(
-        "eqx_flash: second-order derivatives (jax.grad of jax.grad, jax.hessian, "
-        "jax.jvp of jax.grad, a loss on a jvp tangent) are not supported on the ring "
-        "(ring_flash_attention / sharded_flash_attention), which has first-order "
-        "forward and reverse mode. sharded_flash_attention(strategy='ulysses') and "
-        "flash_attention support them."),
-)
-
-TWO_PASS_TANGENT = [False]
 
 
 @jaxtyped(typechecker=beartype)
@@ -514,8 +434,7 @@ def ring_attention(ring: Ring, q: Array, k: Array, v: Array, ops: Operands
     # cast sums the devices' shares of their cotangents.
     ring_ops = vary(ring_ops, (qs, ks, vs))
     (home_diff, common_diff), const = split_differentiable(ring_ops)
-    fn = _ring_attention_ad_two_pass if TWO_PASS_TANGENT[0] else _ring_attention_ad
-    out, lse, top = cast(tuple[Any, Any, Any], fn(
+    out, lse, top = cast(tuple[Any, Any, Any], _ring_attention_ad(
         ring, qs, ks, vs, home_diff, common_diff, const))
     out = jnp.concatenate([o[..., : cfg.seq_q, :] for o in out], axis=3)
     lse, top = (jnp.concatenate([x[..., : cfg.seq_q] for x in t], axis=3) for t in (lse, top))
