@@ -177,3 +177,53 @@ def test_segment_limits_follow_documents():
         np.testing.assert_array_equal(hi[:-1], ((document + 1) * doc // block)[:-1])
         assert hi[-1] == lo[-1]
         assert np.sum(hi - lo) == 4 * 4 * 4  # 4 documents x 4 x 4 block pairs, not 17 x 17
+
+
+def _loop_bodies(hlo: str, trips: int) -> list[list[str]]:
+    """The instructions of the bodies of the while loops in compiled HLO text that run
+    `trips` times."""
+    computations: dict[str, list[str]] = {}
+    name = None
+    for line in hlo.splitlines():
+        if line and not line.startswith(" ") and line.rstrip().endswith("{"):
+            name = line.split()[0].lstrip("%")
+            computations[name] = []
+        elif name is not None:
+            computations[name].append(line)
+    bodies = [line.split("body=%")[1].split(",")[0] for lines in computations.values()
+              for line in lines if f'"known_trip_count":{{"n":"{trips}"}}' in line]
+    return [computations[b] for b in bodies]
+
+
+@pytest.mark.parametrize("kernel", ["forward", "backward"])
+def test_one_inner_block_stays_off_the_outer_loop(kernel):
+    """With one block along a kernel's inner loop (one key block for the forward, one
+    query block for the backward), that block's tile is computed only where it is
+    visited: no block product in the outer loop's body, where XLA's loop-invariant code
+    motion used to hoist it (computing it for every outer block, visited or not)."""
+    from helpers import optimised_compilation
+
+    inner, outer = 64, 8 * 64  # one inner block against 8 outer ones
+    positions = jnp.arange(outer, dtype=jnp.int32)[None]
+    if kernel == "forward":  # queries outer, a causal band on positions skips some
+        q, k, v = qkv(jax.random.key(0), (1, 1, outer, 16), (1, 1, inner, 16))
+        kw = dict(q_positions=positions, kv_positions=positions[:, :inner])
+    else:
+        q, k, v = qkv(jax.random.key(0), (1, 1, inner, 16), (1, 1, outer, 16))
+        kw = dict(q_positions=positions[:, 64:128], kv_positions=positions)
+
+    def attend(q, k, v):
+        return flash_attention(q, k, v, causal=True, block_q=64, block_k=64, **kw)[0]
+
+    fn = jax.jit(attend) if kernel == "forward" else jax.jit(jax.grad(
+        lambda q, k, v: jnp.sum(attend(q, k, v)), argnums=(0, 1, 2)))
+    with optimised_compilation():
+        hlo = fn.lower(q, k, v).compile().as_text()
+    bodies = _loop_bodies(hlo, 8)
+    assert bodies, "no loop over the 8 outer blocks found"
+    for body in bodies:
+        products = [line for line in body if " dot(" in line or "kind=kCustom" in line]
+        assert not products, products
+    # And the results are right.
+    expected = plain_attention(q, k, v, causal=True, **kw)[0]
+    assert_close(attend(q, k, v), expected)

@@ -72,6 +72,11 @@ class Bands(NamedTuple):
     full_lo: np.ndarray
     full_hi: np.ndarray
     hi: np.ndarray
+    inner: int  # how many inner blocks there are
+
+    @property
+    def runs(self) -> tuple[np.ndarray, ...]:
+        return self.lo, self.full_lo, self.full_hi, self.hi
 
     @property
     def max_partial(self) -> int:
@@ -88,7 +93,7 @@ def _bands(nonempty: np.ndarray, full: np.ndarray) -> Bands:
     # A band mask makes both sets intervals; check, since the kernels rely on it.
     assert np.array_equal(nonempty, (idx >= lo[:, None]) & (idx < hi[:, None]))
     assert np.array_equal(full, (idx >= full_lo[:, None]) & (idx < full_hi[:, None]))
-    return Bands(*(x.astype(np.int32) for x in (lo, full_lo, full_hi, hi)))
+    return Bands(*(x.astype(np.int32) for x in (lo, full_lo, full_hi, hi)), inner=n_inner)
 
 
 def band_ranges(cfg: KernelConfig, by: str) -> Bands:
@@ -272,12 +277,14 @@ def over_band(
         return _over_listed(bands, outer, step, carry, limits, limits.flags)
     # The band's three runs: partial [lo, full_lo), whole [full_lo, full_hi), partial
     # [full_hi, hi). Clipping every end into [seg_lo, seg_hi] intersects each run with it.
-    ends = [jnp.asarray(x)[outer] for x in bands]
+    ends = [jnp.asarray(x)[outer] for x in bands.runs]
     if limits is not None:
         ends = [jnp.clip(x, limits.lo[outer], limits.hi[outer]) for x in ends]
     lo, full_lo, full_hi, hi = ends
     full_lo, full_hi = _whole_run(full_lo, full_hi, limits, outer)
     by_position = limits is not None and limits.full_lo is not None
+    if bands.inner == 1:
+        return _only_block(step, carry, full_hi > full_lo, hi > lo)
     if int(np.max(bands.full_hi - bands.full_lo, initial=0)) > 0:
         carry = jax.lax.fori_loop(full_lo, full_hi, lambda j, c: step(c, j, False), carry)
     if bands.max_partial > 0 or by_position:
@@ -299,16 +306,32 @@ def _over_listed(
     first, then the rest of the non-empty ones, as FlexAttention's `full_kv_indices`
     and `kv_indices`. Two branch-free loops over the list: a per-block `lax.cond` on
     the flag would move the accumulators in and out of a separate computation."""
-    lo, full_lo, full_hi, hi = (jnp.asarray(x)[outer] for x in bands)
+    lo, full_lo, full_hi, hi = (jnp.asarray(x)[outer] for x in bands.runs)
     full_lo, full_hi = _whole_run(full_lo, full_hi, limits, outer)
     lo, hi = jnp.maximum(lo, limits.lo[outer]), jnp.minimum(hi, limits.hi[outer])
     inner = jnp.arange(flags.shape[1], dtype=jnp.int32)
     flag = flags[outer]
     inside = (inner >= lo) & (inner < hi) & (flag != EMPTY)
     whole = inside & (inner >= full_lo) & (inner < full_hi) & (flag == FULL)
+    if bands.inner == 1:
+        return _only_block(step, carry, whole[0], inside[0])
     rank = jnp.where(whole, 0, jnp.where(inside, 1, 2)).astype(jnp.int32)
     order = jnp.argsort(rank, stable=True).astype(jnp.int32)
     n_whole = jnp.sum(whole, dtype=jnp.int32)
     n_inside = jnp.sum(inside, dtype=jnp.int32)
     carry = jax.lax.fori_loop(0, n_whole, lambda t, c: step(c, order[t], False), carry)
     return jax.lax.fori_loop(n_whole, n_inside, lambda t, c: step(c, order[t], True), carry)
+
+
+def _only_block(step: Callable[[Any, Array, bool], Any], carry: Any, whole: Array,
+                inside: Array) -> Any:
+    """The one inner block (0) of an outer block when there is only one: `step` once,
+    unmasked if `whole`, masked if only `inside`, else not at all, as a switch. In a loop
+    the block's slices do not depend on the (then folded) index, and XLA's loop-invariant
+    code motion hoists the whole tile out of the loop, computing it even where the loop
+    runs no step, once per loop: a backward with one query block against 8 key blocks, 2
+    of them within a causal window on positions, took 29.6 ms in loops, 6.5 ms so."""
+    which = jnp.where(whole, 1, jnp.where(inside, 2, 0))
+    zero = jnp.zeros((), jnp.int32)
+    return jax.lax.switch(which, [lambda c: c, lambda c: step(c, zero, False),
+                                  lambda c: step(c, zero, True)], carry)
