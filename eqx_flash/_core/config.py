@@ -32,6 +32,10 @@ DECODE_BLOCK_K = 1024
 # and a trained full bias 1.4x slower with the large blocks (`benchmarks/ab.py`).
 FINE_BLOCKS = (512, 1024)
 FINE_BLOCKS_BANDED = (512, 512)
+# With fewer large key blocks than this, a band leaves too much of its masked triangle
+# inside the diagonal blocks: causal fwd+bwd with the fine banded blocks took 0.74x the
+# time at seq 1024 and 0.93x at 2048, and tied at 3072 (`benchmarks/tune_blocks.md`).
+BANDED_MIN_BLOCKS = 3
 
 
 def wants_fine_blocks(ops: Operands, mask_mod: bool) -> bool:
@@ -52,9 +56,12 @@ def single_cpu_device() -> bool:
     return jax.device_count() == 1 and jax.default_backend() == "cpu"
 
 
-def default_blocks(window: Window, groups: int = 1, fine: bool = False) -> tuple[int, int]:
+def default_blocks(window: Window, groups: int = 1, fine: bool = False,
+                   seq_k: int | None = None) -> tuple[int, int]:
     """Tuned default `(block_q, block_k)` for a call with this causal/window band
-    (`fine`: `wants_fine_blocks`; always fine off a `single_cpu_device`).
+    (`fine`: `wants_fine_blocks`; always fine off a `single_cpu_device`), against `seq_k`
+    keys if known: a band over fewer than `BANDED_MIN_BLOCKS` large key blocks takes the
+    fine ones.
 
     The kernels fold a kv head's `groups` query heads into the rows of one block, so the
     logit block is `(groups * block_q, block_k)`: `block_q` shrinks with `groups` to keep
@@ -64,7 +71,8 @@ def default_blocks(window: Window, groups: int = 1, fine: bool = False) -> tuple
     if window.is_unbounded:
         block_q, block_k = FINE_BLOCKS if fine else DEFAULT_BLOCKS
     else:
-        block_q, block_k = FINE_BLOCKS_BANDED if fine else DEFAULT_BLOCKS_BANDED
+        short = seq_k is not None and seq_k < BANDED_MIN_BLOCKS * DEFAULT_BLOCKS_BANDED[1]
+        block_q, block_k = FINE_BLOCKS_BANDED if fine or short else DEFAULT_BLOCKS_BANDED
     return max(block_q // groups, 64), block_k
 
 
@@ -131,7 +139,7 @@ def kernel_config(options: AttentionOptions, shapes: Shapes, fine: bool = False
                   ) -> KernelConfig:
     """The kernels' configuration for `options` on a problem of `shapes` (block sizes
     default to the tuned `default_blocks`; `fine`: `wants_fine_blocks`)."""
-    tuned_q, tuned_k = default_blocks(options.window, shapes.groups, fine)
+    tuned_q, tuned_k = default_blocks(options.window, shapes.groups, fine, shapes.seq_k)
     if shapes.seq_q <= SPLIT_K_MAX_Q:
         tuned_k = min(tuned_k, DECODE_BLOCK_K)
     return KernelConfig(
