@@ -10,10 +10,14 @@ from typing import Any
 
 
 def interleaved_medians(calls: dict[str, Callable[[], Any]], rounds: int,
-                        block: Callable[[Any], Any], warm_up: bool = True) -> dict[str, float]:
+                        block: Callable[[Any], Any], warm_up: bool = True,
+                        settle: int = 0) -> dict[str, float]:
     """Median seconds of each thunk in `calls` over `rounds` rounds, after one warm-up
     call each (unless the caller ran them already); `block` waits for a result
-    (`jax.block_until_ready`)."""
+    (`jax.block_until_ready`). `settle`: untimed calls right before each timed one, so
+    that a call is timed as it runs when repeated (its buffers mapped, its data in
+    cache), not just after another configuration that freed and touched gigabytes: a
+    12 GiB dense peer slowed the next call by up to 1.5x."""
     for call in calls.values() if warm_up else ():
         block(call())
     times: dict[str, list[float]] = {name: [] for name in calls}
@@ -21,6 +25,8 @@ def interleaved_medians(calls: dict[str, Callable[[], Any]], rounds: int,
     for r in range(rounds):
         random.shuffle(order)
         for name in order:
+            for _ in range(settle):
+                block(calls[name]())
             start = time.perf_counter()
             block(calls[name]())
             times[name].append(time.perf_counter() - start)
