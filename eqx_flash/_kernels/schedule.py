@@ -272,7 +272,8 @@ def over_band(
     """Fold `step(carry, inner_block, masked)` over the inner blocks of one outer block:
     first the whole ones (`masked=False`: no positional mask, no `mask_mod`), then those
     that need their masks; all clipped to `limits` (`run_limits`) if given. Trip counts
-    are dynamic, so every outer block shares one compiled loop."""
+    are dynamic, so every outer block shares one compiled loop. A single inner block is
+    visited through a switch instead (`_only_block`)."""
     if limits is not None and limits.flags is not None:
         return _over_listed(bands, outer, step, carry, limits, limits.flags)
     # The band's three runs: partial [lo, full_lo), whole [full_lo, full_hi), partial
