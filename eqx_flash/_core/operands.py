@@ -26,6 +26,7 @@ from typing import Any, Literal
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 from jaxtyping import Array
 
 OperandLayout = Literal["grid", "blocks", "shared"]
@@ -178,6 +179,20 @@ def map_fields(fn: Callable[..., Any], ops: Operands, *rest: Any) -> Operands:
         n: None if getattr(ops, n) is None else fn(n, getattr(ops, n),
                                                      *(getattr(r, n) for r in rest))
         for n in FIELDS})
+
+
+def partition_specs(ops: Operands, mesh_axes: Mapping[int, Any]) -> Operands:
+    """Each operand's `PartitionSpec` for `jax.shard_map`: a `GRID` or `BLOCKS` operand's
+    axis `a` over `mesh_axes[a]` (a mesh axis name, or a tuple of them) where it is not
+    broadcast (size 1) there; `SHARED` operands replicated."""
+
+    def spec(name: str, x: Any) -> Any:
+        if layout_of(name) == SHARED:
+            return jax.tree.map(lambda _: PartitionSpec(), x)
+        axes = [mesh_axes.get(a) if x.shape[a] != 1 else None for a in range(x.ndim)]
+        return PartitionSpec(*axes)
+
+    return map_fields(spec, ops)
 
 
 def pad_axis(x: Array, axis: int, size: int) -> Array:

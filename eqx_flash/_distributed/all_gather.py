@@ -35,8 +35,9 @@ from jaxtyping import Array
 
 from .._api.binder import Bound
 from .._api.flash import attend
-from .._core.operands import SHARED, Operands, layout_of, map_fields, replace
+from .._core.operands import SHARED, Operands, layout_of, map_fields, partition_specs, replace
 from .._core.shapes import Shapes
+from .._mods.tracing import with_index_offsets
 from .sequence_order import from_ring_layout, to_ring_layout
 
 ROWS = 3  # the query axis of a GRID operand (`_core.operands`)
@@ -98,33 +99,6 @@ def _alibi_score_mod(slopes: Array | None, shapes: Shapes, score_mod: Any) -> An
     return score
 
 
-def _global_indices(fn: Any, batch: Any, head: Any, query: Any, with_score: bool) -> Any:
-    """A score_mod/mask_mod called with global batch, head and query indices (local
-    ones plus these offsets)."""
-    if fn is None:
-        return None
-    if with_score:
-        return lambda s, b, h, i, j: fn(s, b + batch, h + head, i + query, j)
-    return lambda b, h, i, j: fn(b + batch, h + head, i + query, j)
-
-
-def _operand_specs(ops: Operands, seq_axis: Hashable, batch_axis: Hashable | None,
-                   head_axis: Hashable | None) -> Operands:
-    """Each operand's `PartitionSpec`: query rows with the queries, key columns whole,
-    batch and kv heads over their mesh axes where the operand has them."""
-
-    def spec(name: str, x: Any) -> Any:
-        if layout_of(name) == SHARED:
-            return jax.tree.map(lambda _: PartitionSpec(), x)
-        axes: list[Hashable | None] = [None] * 5
-        for axis, mesh_axis in ((0, batch_axis), (1, head_axis), (ROWS, seq_axis)):
-            if mesh_axis is not None and x.shape[axis] != 1:
-                axes[axis] = mesh_axis
-        return PartitionSpec(*axes)
-
-    return map_fields(spec, ops)
-
-
 def _rows(ops: Operands, start: int, size: int, first: Any) -> Operands:
     """One piece of a device's queries: the operands' rows `[start, start + size)`, whose
     first global query is `first` (valid query lengths become the piece's own)."""
@@ -182,8 +156,8 @@ def all_gather_attention(bound: Bound, *, mesh: Mesh, seq_axis: Hashable,
             mine = dataclasses.replace(
                 bound, q=jax.lax.slice_in_dim(q, start, start + chunk, axis=q.ndim - 2),
                 k=k, v=v, operands=_rows(ops, start, chunk, first), shapes=local,
-                score_mod=_global_indices(score_mod, batch, head, first, True),
-                mask_mod=_global_indices(bound.mask_mod, batch, head, first, False))
+                score_mod=with_index_offsets(score_mod, batch, head, first, True),
+                mask_mod=with_index_offsets(bound.mask_mod, batch, head, first, False))
             results.append(attend(mine))
         # out's rows are axis -2, the statistics' -1.
         return tuple(jnp.concatenate(parts, axis=-2 if i == 0 else -1)
@@ -198,7 +172,7 @@ def all_gather_attention(bound: Bound, *, mesh: Mesh, seq_axis: Hashable,
     mapped = jax.shard_map(
         body, mesh=mesh,
         in_specs=(qkv_spec, qkv_spec, qkv_spec,
-                  _operand_specs(ops, seq_axis, batch_axis, head_axis),
+                  partition_specs(ops, {0: batch_axis, 1: head_axis, ROWS: seq_axis}),
                   PartitionSpec()),
         out_specs=(qkv_spec, *([stat_spec] * stats)),
         check_vma=False,  # the blockwise kernels create unsharded accumulators

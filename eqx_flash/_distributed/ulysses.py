@@ -26,7 +26,8 @@ from jax.sharding import Mesh, PartitionSpec
 
 from .._api.binder import Bound
 from .._api.flash import attend
-from .._core.operands import SHARED, Operands, layout_of, map_fields
+from .._core.operands import SHARED, Operands, layout_of, map_fields, partition_specs
+from .._mods.tracing import with_index_offsets
 
 
 def _check_head_split(shapes, n: int, head_devices: int) -> int:
@@ -68,29 +69,6 @@ def _repeat_kv_heads(ops: Operands, kv_heads: int, groups: int, repeat: int) -> 
     return map_fields(one, ops)
 
 
-def _head_sharded_specs(ops: Operands, heads_spec: Any, batch_axis: Hashable | None) -> Operands:
-    def spec(name: str, x: Any) -> Any:
-        if layout_of(name) == SHARED:
-            return jax.tree.map(lambda _: PartitionSpec(), x)
-        axes: list[Any] = [None] * x.ndim
-        if batch_axis is not None and x.shape[0] != 1:
-            axes[0] = batch_axis
-        if x.shape[1] != 1:
-            axes[1] = heads_spec
-        return PartitionSpec(*axes)
-
-    return map_fields(spec, ops)
-
-
-def _global_heads(fn: Any, offset: Any, batch_offset: Any, with_score: bool) -> Any:
-    """A score_mod/mask_mod called with the global head (and batch) index."""
-    if fn is None:
-        return None
-    if with_score:
-        return lambda s, b, h, i, j: fn(s, b + batch_offset, h + offset, i, j)
-    return lambda b, h, i, j: fn(b + batch_offset, h + offset, i, j)
-
-
 def ulysses_attention(bound: Bound, *, mesh: Mesh, seq_axis: Hashable,
                       batch_axis: Hashable | None, head_axis: Hashable | None
                       ) -> tuple[Any, ...]:
@@ -127,8 +105,8 @@ def ulysses_attention(bound: Bound, *, mesh: Mesh, seq_axis: Hashable,
         mine = dataclasses.replace(
             bound, q=q, k=k, v=v, operands=ops, shapes=dataclasses.replace(
                 local, batch_shape=(q.shape[:lead])),
-            score_mod=_global_heads(bound.score_mod, offset, batch_offset, True),
-            mask_mod=_global_heads(bound.mask_mod, offset, batch_offset, False))
+            score_mod=with_index_offsets(bound.score_mod, batch_offset, offset, 0, True),
+            mask_mod=with_index_offsets(bound.mask_mod, batch_offset, offset, 0, False))
         results = attend(mine)
         # ...and back: out (*, h, seq, dv), lse and max scores (*, h, seq).
         out, *stats = results
@@ -140,7 +118,8 @@ def ulysses_attention(bound: Bound, *, mesh: Mesh, seq_axis: Hashable,
     num_stats = 2 if bound.return_max_scores else 1
     mapped = jax.shard_map(
         body, mesh=mesh,
-        in_specs=(qkv_spec, qkv_spec, qkv_spec, _head_sharded_specs(ops, heads_spec, batch_axis)),
+        in_specs=(qkv_spec, qkv_spec, qkv_spec,
+                  partition_specs(ops, {0: batch_axis, 1: heads_spec})),
         out_specs=(qkv_spec, *([stat_spec] * num_stats)),
         # The blockwise kernels create unsharded accumulators (as on the ring).
         check_vma=False,

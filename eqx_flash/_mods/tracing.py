@@ -319,3 +319,15 @@ class AtPositions(eqx.Module):
         if self.kv_positions is not None:
             kv_idx = self.kv_positions.at[kv_idx].get(mode="clip")
         return self.mod(*rest, q_idx + self.q_offset, kv_idx)
+
+
+def with_index_offsets(fn: Any, batch: Any, head: Any, query: Any, with_score: bool) -> Any:
+    """A `score_mod` (`with_score`) or `mask_mod` called with its batch, head and query
+    indices moved by these offsets: a shard of a sharded call (Ulysses, the all-gather)
+    runs the single-device kernels on local indices, and the user's function sees the
+    global ones. None stays None."""
+    if fn is None:
+        return None
+    if with_score:
+        return lambda s, b, h, i, j: fn(s, b + batch, h + head, i + query, j)
+    return lambda b, h, i, j: fn(b + batch, h + head, i + query, j)
