@@ -282,6 +282,27 @@ def test_strategy_on_one_device_is_flash_attention(strategy):
     _assert_same_first_derivatives(single, sharded, q)
 
 
+@pytest.mark.parametrize("strategy", ["ring", "ulysses", "all_gather"])
+def test_strategy_without_batch_axes_is_flash_attention(strategy):
+    """q, k, v with a heads axis but no batch axis `(heads, seq, dim)`, causal, on a
+    one-device mesh: every strategy gives flash_attention's values, gradient and jvp."""
+    mesh = Mesh(np.array(jax.devices()[:1]), ("seq",))
+    rng = np.random.default_rng(3)
+    q = jnp.asarray(rng.standard_normal((4, 24, 8)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((2, 24, 8)), jnp.float32)
+    options = dict(causal=True, alibi_slopes=jnp.array([0.1, 0.2, 0.3, 0.4]), block_q=8,
+                   block_k=8)
+
+    def single(q):
+        return eqx_flash.flash_attention(q, k, k, **options)
+
+    def sharded(q):
+        return eqx_flash.sharded_flash_attention(q, k, k, mesh=mesh, seq_axis="seq",
+                                                 strategy=strategy, **options)
+
+    _assert_same_first_derivatives(single, sharded, q)
+
+
 def test_ring_outside_shard_map():
     x = jnp.zeros((2, 8, 4))
     with pytest.raises(ValueError, match="inside jax.shard_map"):

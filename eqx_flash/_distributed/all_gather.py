@@ -138,9 +138,11 @@ def all_gather_attention(bound: Bound, *, mesh: Mesh, seq_axis: Hashable,
     q = order(bound.q, -2)
     ops = map_fields(lambda name, x: x if layout_of(name) == SHARED or x.shape[ROWS] == 1
                      else order(x, ROWS), bound.operands)
-    local_batch = (shapes.batch_shape[0] // batch_devices, *shapes.batch_shape[1:])
+    # The first batch axis (if any) is split over `batch_axis`.
+    local_batch = tuple(n // batch_devices if i == 0 else n
+                        for i, n in enumerate(shapes.batch_shape))
     local = dataclasses.replace(
-        shapes, batch_shape=local_batch if shapes.batch_shape else (), seq_q=chunk,
+        shapes, batch_shape=local_batch, seq_q=chunk,
         heads=shapes.heads // head_devices, kv_heads=shapes.kv_heads // head_devices)
 
     def body(q, k, v, ops, alibi):

@@ -288,7 +288,7 @@ def _sequence_axes(name: str, x: Any) -> tuple[tuple[int, ...], tuple[int, ...]]
 
 
 def _ring_operand_specs(ops: Operands, seq_axis: Hashable, batch_axis: Hashable | None,
-                   head_axis: Hashable | None) -> Operands:
+                        head_axis: Hashable | None) -> Operands:
     """Each operand's `PartitionSpec` (batch and heads axes where it has them)."""
 
     def spec(name: str, x: Any) -> Any:
@@ -352,8 +352,8 @@ def _sharded(q, k, v, ops: Operands, *, ring: Ring, mesh: Mesh, batch_axis, head
 
     sharded = jax.shard_map(
         local, mesh=mesh,
-        in_specs=(q_spec, kv_spec, kv_spec, _ring_operand_specs(ops, seq_axis, batch_axis,
-                                                           head_axis)),
+        in_specs=(q_spec, kv_spec, kv_spec,
+                  _ring_operand_specs(ops, seq_axis, batch_axis, head_axis)),
         out_specs=(q_spec, lse_spec, lse_spec),
         # The blockwise kernels create unsharded accumulators; see ring_flash_attention.
         check_vma=False,
