@@ -77,9 +77,10 @@ def _configs(seq: int, heads: int, dim: int):
               _normal(2, (1, heads, 32768, dim))]
     bias = 0.5 * _normal(6, (1, 1, seq, seq))
 
-    def jvp(package):
+    def jvp(package, **kwargs):
         def tangent(q, k, v):
-            return jax.jvp(lambda *x: package.flash_attention(*x)[0], (q, k, v), tangents)[1]
+            return jax.jvp(lambda *x: package.flash_attention(*x, **kwargs)[0], (q, k, v),
+                           tangents)
         return jax.jit(tangent), mha
 
     def mask_mod(package):
@@ -101,6 +102,7 @@ def _configs(seq: int, heads: int, dim: int):
         "fwd+bwd gqa 8/1": lambda p: (_grad(p.flash_attention), gqa),
         "fwd+bwd bf16": lambda p: (_grad(p.flash_attention), bf16),
         "jvp (q, k, v)": jvp,
+        "jvp (q, k, v) causal": functools.partial(jvp, causal=True),
         "decode 1 x 32k": lambda p: (jax.jit(p.flash_attention), decode),
         "fwd+bwd mask_mod + block_mask": mask_mod,
         "fwd+bwd trained bias": lambda p: (

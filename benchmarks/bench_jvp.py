@@ -6,7 +6,8 @@ forward+backward of eqx_flash, and against `jax.jvp` of materialised XLA attenti
 
 Every configuration is compiled first (peak memory from XLA's compiled
 `memory_analysis()`: temporaries plus arguments and outputs), then each round times every
-configuration once in a shuffled order, so noise on a shared machine falls on all alike.
+configuration once in a shuffled order, each after an untimed run of its own
+(`_interleave.interleaved_medians`), so noise on a shared machine falls on all alike.
 Prints medians and ratios. Materialised XLA stops at 8192 (its seq x seq logits, their
 tangents and softmax take several GiB beyond).
 
@@ -15,12 +16,11 @@ before/after comparisons of reverse mode across branches.
 """
 
 import argparse
-import random
-import statistics
-import time
+import functools
 
 import jax
 import jax.numpy as jnp
+from _interleave import interleaved_medians
 
 from eqx_flash import flash_attention
 
@@ -89,17 +89,10 @@ def main() -> None:
     for c, (f, xs) in configs.items():
         memory[c] = peak_mib(f, xs)
         jax.block_until_ready(f(*xs))
-    times = {c: [] for c in configs}
-    order = list(configs)
-    for r in range(args.rounds):
-        random.Random(r).shuffle(order)
-        for c in order:
-            f, xs = configs[c]
-            t = time.perf_counter()
-            jax.block_until_ready(f(*xs))
-            times[c].append(time.perf_counter() - t)
-        print(f"round {r + 1}/{args.rounds} done", flush=True)
-    med = {c: statistics.median(t) * 1e3 for c, t in times.items()}
+    calls = {c: functools.partial(f, *xs) for c, (f, xs) in configs.items()}
+    seconds = interleaved_medians(calls, args.rounds, jax.block_until_ready, warm_up=False,
+                                  settle=1)
+    med = {c: t * 1e3 for c, t in seconds.items()}
 
     print("\n| impl | mode | seq | median ms | peak MiB | jvp / eqx fwd | jvp / eqx fwd+bwd "
           "| xla jvp / eqx jvp |")

@@ -169,6 +169,81 @@ def test_grad_uses_the_backward_kernel(argnums):
         np.testing.assert_allclose(a, b, atol=1e-4 * float(jnp.abs(b).max()))
 
 
+def _primitive_names(jaxpr) -> list[str]:
+    """The package's primitives bound in a jaxpr, in order (sub-jaxprs included)."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name.startswith("eqx_flash_attention"):
+            found.append(eqn.primitive.name)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found += _primitive_names(sub)
+    return found
+
+
+def test_jvp_runs_the_one_pass_kernel_and_linearize_the_two():
+    """`jax.jvp` binds the one-pass primitive (forward and tangents in one kernel, no
+    linear call); `jax.linearize` splits it into the forward (known) and the linear
+    primitive (the tangent kernel), which `jax.grad` transposes."""
+    inputs = _inputs(causal=True)
+    flash, _ = _plain_and_flash(causal=True)
+    args = (inputs.q, inputs.k, inputs.v)
+    tangents = tuple(jnp.cos(x) for x in args)
+    jvp = jax.make_jaxpr(lambda *a: jax.jvp(flash, a, tangents))(*args)
+    assert _primitive_names(jvp.jaxpr) == ["eqx_flash_attention_jvp"]
+    linearized = jax.make_jaxpr(lambda *a: jax.linearize(flash, *a)[1](*tangents))(*args)
+    assert _primitive_names(linearized.jaxpr) == ["eqx_flash_attention_linear"]
+
+
+@pytest.mark.parametrize("policy", ["default", "nothing_saveable", "everything_saveable"])
+def test_gradient_of_a_checkpointed_jvp(policy):
+    """The sCM/MeanFlow pattern under `jax.checkpoint`: its partial evaluation splits
+    the one-pass primitive inside the checkpointed jaxpr (`partial_eval_jaxpr_custom`)."""
+    inputs = _inputs(batch=(), causal=True)
+    flash, plain = _plain_and_flash(causal=True)
+    dq = jnp.sin(inputs.q)
+    ckpt = (jax.checkpoint if policy == "default" else functools.partial(
+        jax.checkpoint, policy=getattr(jax.checkpoint_policies, policy)))
+
+    def loss(fn):
+        def f(q, k):
+            _, (d_out, d_lse) = jax.jvp(lambda q: fn(q, k, inputs.v), (q,), (dq,))
+            return jnp.sum(d_out**2) + jnp.sum(d_lse)
+        return jax.jit(jax.grad(ckpt(f), argnums=(0, 1)))
+
+    got, expected = loss(flash)(inputs.q, inputs.k), loss(plain)(inputs.q, inputs.k)
+    for a, b in zip(got, expected, strict=True):
+        assert_close(a, b, kind="grad")
+
+
+def test_jacfwd_along_tangents_runs_the_forward_once():
+    """`vmap` of a jvp over the tangents alone (`jax.jacfwd`) batches the decomposition:
+    one forward kernel, the tangent kernel mapped; over the primals, the one-pass
+    primitive mapped."""
+    inputs = _inputs(batch=(), causal=True)
+    flash, plain = _plain_and_flash(causal=True)
+    args = (inputs.q, inputs.k, inputs.v)
+    dqs = jnp.stack([jnp.sin(inputs.q), jnp.cos(inputs.q)])
+
+    def tangents_only(fn):
+        return jax.vmap(lambda d: jax.jvp(lambda q: fn(q, *args[1:]), (args[0],), (d,)))
+
+    jaxpr = jax.make_jaxpr(tangents_only(flash))(dqs)
+    assert _primitive_names(jaxpr.jaxpr) == ["eqx_flash_attention_linear"]
+    for a, b in zip(jax.tree.leaves(tangents_only(flash)(dqs)),
+                    jax.tree.leaves(tangents_only(plain)(dqs)), strict=True):
+        assert_close(a, b, kind="grad")
+
+    def both(fn):
+        return jax.vmap(lambda q, d: jax.jvp(lambda q: fn(q, *args[1:]), (q,), (d,)))
+
+    qs = jnp.stack([inputs.q, 0.5 * inputs.q])
+    assert _primitive_names(jax.make_jaxpr(both(flash))(qs, dqs).jaxpr) == [
+        "eqx_flash_attention_jvp"]
+    for a, b in zip(jax.tree.leaves(both(flash)(qs, dqs)),
+                    jax.tree.leaves(both(plain)(qs, dqs)), strict=True):
+        assert_close(a, b, kind="grad")
+
+
 def test_vmap_and_checkpoint_compose():
     inputs = _inputs(batch=(), causal=True)
     flash, plain = _plain_and_flash(causal=True)

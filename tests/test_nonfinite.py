@@ -10,6 +10,7 @@ split-K lanes, the reference, the ring and the modules. Padding and masked posit
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -208,3 +209,24 @@ def test_property_padding_reaches_nothing(inputs, value):
         c, d = np.asarray(c), np.asarray(d)
         np.testing.assert_array_equal(np.isnan(d), np.isnan(c))
         np.testing.assert_array_equal(d, c)
+
+
+@pytest.mark.parametrize("where", ["v", "dv"])
+def test_causal_tangent_reaches_only_later_rows(where):
+    """Forward mode (the one-pass kernel): a NaN value or value tangent at key 9 reaches
+    the tangents of exactly the rows that attend it, and a NaN tangent leaves the primal
+    output finite; in a diagonal block too, for any block size."""
+    q, k, v = seeded_qkv((1, 2, 32, 8), (1, 2, 32, 8))
+    dv = jnp.cos(v)
+    if where == "v":
+        v = v.at[0, 0, 9, 3].set(jnp.nan)
+    else:
+        dv = dv.at[0, 0, 9, 3].set(jnp.nan)
+    for blocks in ({}, {"block_q": 16, "block_k": 16}, {"block_q": 4, "block_k": 8}):
+        (out, lse), (d_out, d_lse) = jax.jvp(
+            functools.partial(eqx_flash.causal_flash_attention, q, k, **blocks), (v,), (dv,))
+        rows = np.isnan(np.asarray(d_out[0, 0])).any(-1)
+        np.testing.assert_array_equal(rows, np.arange(32) >= 9)
+        assert np.isfinite(d_out[0, 1]).all() and np.isfinite(d_lse).all()
+        assert np.isfinite(lse).all()
+        assert np.isfinite(out).all() == (where == "dv")

@@ -19,6 +19,16 @@ with respect to a subset of the inputs work, and the backward kernel accumulates
 the cotangents that are asked for. The linear primitive's own derivative along its
 residuals is the second-order primitive (`second_order`), so the rule is exact to second
 order (Hessian-vector products, `jax.hessian`, gradients of gradients and of tangents).
+
+Where the tangents are only pushed forward (`jax.jvp`, not transposed), running the
+forward kernel and then the tangent kernel forms every logit block twice. So the rule
+binds `one_pass_p` instead, whose evaluation is the one-pass kernel
+(`_kernels.tangent.forward_and_tangent`, a jvp at about 3.0 forwards against 3.5). Every
+other transformation of it replays the two-pass decomposition above (`_two_pass`):
+partial evaluation (`jax.linearize`, `jax.grad`, `jax.checkpoint`) gets the forward as
+the known part and the linear primitive as the unknown one, exactly as before; its JVP
+(second order) is the decomposition's; `vmap` along the tangents alone (`jax.jacfwd`)
+runs the forward once.
 """
 
 import functools
@@ -27,13 +37,21 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.core import ShapedArray
 from jax.custom_derivatives import SymbolicZero
+from jax.extend.core import Primitive
+from jax.extend.core.primitives import closed_call_p
+from jax.interpreters import ad, batching, mlir
+from jax.interpreters import partial_eval as pe
 
+from .._core.compat import set_current_trace, unsharded
+from .._core.config import KernelConfig, stat_dtype
 from .._core.operands import Operands, combine
 from .._kernels.split_k import split_k_applies
 from .._semantics.masking import valid_rows
+from .batching import batch_by_map
 from .linear import linear
-from .residuals import Residuals
+from .residuals import Residuals, apply_forward_and_tangent
 
 
 def _is_symbolic_zero(t: Any) -> bool:
@@ -68,16 +86,117 @@ def with_custom_derivatives(attention: Callable[..., Any]) -> Callable[..., Any]
             ops = combine(diff, const)
             q, k, v = valid_rows(q, k, v, ops, q.shape[3], k.shape[2])  # padded sizes
             tangents = (*_clean_tangents(tangents[:3], (q, k, v), ops), *tangents[3:])
-        out, lse, max_score = wrapped(cfg, q, k, v, diff, const)
-        # The max scores carry no derivative (as FlexAttention's): a zero tangent.
-        d_max = jnp.zeros_like(max_score)
         leaves = jax.tree.leaves(tangents[:4], is_leaf=_is_symbolic_zero)
         which = tuple(not _is_symbolic_zero(t) for t in leaves)
         nonzero = tuple(t for t, w in zip(leaves, which, strict=True) if w)
         if not nonzero:  # only constants were perturbed: they get no derivative
-            return (out, lse, max_score), (jnp.zeros_like(out), jnp.zeros_like(lse), d_max)
+            out, lse, max_score = wrapped(cfg, q, k, v, diff, const)
+            d_out, d_lse = jnp.zeros_like(out), jnp.zeros_like(lse)
+        elif _one_pass_applies(cfg, (q, k, v, diff, const), nonzero):
+            flat, tree = jax.tree.flatten((q, k, v, diff, const))
+            out, lse, max_score, d_out, d_lse = one_pass_p.bind(
+                *flat, *nonzero, cfg=cfg, which=which, tree=tree, two_pass=two_pass)
+        else:
+            out, lse, max_score, d_out, d_lse = two_pass(cfg, which, q, k, v, diff, const,
+                                                         nonzero)
+        # The max scores carry no derivative (as FlexAttention's): a zero tangent.
+        return (out, lse, max_score), (d_out, d_lse, jnp.zeros_like(max_score))
+
+    def two_pass(cfg, which, q, k, v, diff, const, nonzero):
+        """The forward kernel, then the linear primitive along the tangents `nonzero`."""
+        out, lse, max_score = wrapped(cfg, q, k, v, diff, const)
         residuals = Residuals(q, k, v, out, lse, diff, const)
         d_out, d_lse = linear(cfg, which, residuals, nonzero)
-        return (out, lse, max_score), (d_out, d_lse, d_max)
+        return out, lse, max_score, d_out, d_lse
 
     return wrapped
+
+
+def _one_pass_applies(cfg: KernelConfig, primals: Any, nonzero: tuple[Any, ...]) -> bool:
+    """Not for split-K (a few queries: the forward is cheap), nor under a mesh (where the
+    primitive's output types would have to carry the inputs' sharding and varying axes;
+    the decomposition's kernels do that themselves)."""
+    if split_k_applies(cfg, combine(primals[3], primals[4])):
+        return False
+    return all(unsharded(x) for x in (*jax.tree.leaves(primals), *nonzero))
+
+
+# The one-pass jvp primitive. Operands: the leaves of `(q, k, v, diff, const)` (`tree`),
+# then the non-zero tangents of the differentiable leaves `which` marks. Results:
+# `(out, lse, max_score, d_out, d_lse)`.
+
+
+def _arguments(args, tree) -> tuple[Residuals, list[Any]]:
+    q, k, v, diff, const = jax.tree.unflatten(tree, args[: tree.num_leaves])
+    # out and lse are what is computed: absent from the primals.
+    return Residuals(q, k, v, None, None, diff, const), list(args[tree.num_leaves:])  # pyright: ignore[reportArgumentType]
+
+
+def _one_pass(*args, cfg, which, tree, two_pass):
+    del two_pass
+    primals, nonzero = _arguments(args, tree)
+    return apply_forward_and_tangent(cfg, primals, which, nonzero)
+
+
+def _two_pass(*args, cfg, which, tree, two_pass):
+    p, nonzero = _arguments(args, tree)
+    return list(two_pass(cfg, which, p.q, p.k, p.v, p.diff, p.const, tuple(nonzero)))
+
+
+def _abstract_eval(*avals, cfg, which, tree, two_pass):
+    del cfg, which, tree, two_pass
+    q, v = avals[0], avals[2]  # (b, h, g, seq_q, d), (b, h, seq_k, dim_v)
+    out = ShapedArray((*q.shape[:-1], v.shape[-1]), q.dtype)
+    lse = ShapedArray(q.shape[:-1], stat_dtype(q.dtype))
+    return [out, lse, lse, out, lse]
+
+
+def _partial_eval(trace, *tracers, **params):
+    """`jax.linearize` and `jax.grad` (through `pe.JaxprTrace`): the decomposition, whose
+    forward is known and whose linear primitive is not."""
+    if all(t.is_known() for t in tracers):  # (this rule runs under the parent trace)
+        return one_pass_p.bind(*(t.pval.get_known() for t in tracers), **params)
+    with set_current_trace(trace):
+        return _two_pass(*tracers, **params)
+
+
+def _partial_eval_custom(saveable, unks_in, inst_in, eqn):
+    """`jax.checkpoint`'s partial evaluation of a jaxpr: the equation as a call of the
+    decomposition, split as any call is."""
+    if not any(unks_in):
+        n = len(eqn.outvars)
+        return eqn, None, [False] * n, [False] * n, []
+    avals = [jax.ShapeDtypeStruct(x.aval.shape, x.aval.dtype) for x in eqn.invars]
+    call = jax.make_jaxpr(functools.partial(_two_pass, **eqn.params))(*avals)
+    as_call = eqn.replace(primitive=closed_call_p, params=dict(call_jaxpr=call))
+    return pe.partial_eval_jaxpr_custom_rules[closed_call_p](saveable, unks_in, inst_in,
+                                                             as_call)
+
+
+def _jvp(primals, tangents, **params):
+    """Second order: the decomposition's derivative (the linear primitive's own rule)."""
+    tangents = tuple(map(ad.instantiate_zeros, tangents))
+    out, d_out = jax.jvp(functools.partial(_two_pass, **params), tuple(primals), tangents)
+    return list(out), list(d_out)
+
+
+def _batch(args, dims, **params):
+    """Along the tangents alone (`jax.jacfwd`): the decomposition, so that the forward
+    runs once; otherwise one one-pass call per batch element."""
+    if all(d is None for d in dims[: params["tree"].num_leaves]):
+        dims_out = [None, None, None, 0, 0]  # the primal results do not vary
+        outs = jax.vmap(functools.partial(_two_pass, **params), in_axes=list(dims),
+                        out_axes=dims_out)(*args)
+        return outs, dims_out
+    return batch_by_map(one_pass_p)(args, dims, **params)
+
+
+one_pass_p = Primitive("eqx_flash_attention_jvp")
+one_pass_p.multiple_results = True
+one_pass_p.def_impl(_one_pass)
+one_pass_p.def_abstract_eval(_abstract_eval)
+mlir.register_lowering(one_pass_p, mlir.lower_fun(_one_pass, multiple_results=True))
+pe.custom_partial_eval_rules[one_pass_p] = _partial_eval
+pe.partial_eval_jaxpr_custom_rules[one_pass_p] = _partial_eval_custom
+ad.primitive_jvps[one_pass_p] = _jvp
+batching.primitive_batchers[one_pass_p] = _batch

@@ -22,7 +22,7 @@ from jaxtyping import Array
 from .._core.config import KernelConfig
 from .._core.operands import Operands, combine, replace
 from .._kernels.backward import backward, backward_statistics
-from .._kernels.tangent import tangent
+from .._kernels.tangent import forward_and_tangent, tangent
 
 
 class Residuals(NamedTuple):
@@ -71,14 +71,31 @@ def apply_tangent(cfg: KernelConfig, res: Residuals, which: Sequence[bool],
                   tangents: Sequence[Array]) -> list[Array]:
     """`[d_out, d_lse]` for tangents of the marked differentiable leaves (the others
     zero; the kernel skips what they would cost)."""
+    dq, dk, dv, d_diff = _tangent_arguments(res, which, tangents)
+    ops = combine(res.diff, res.const)
+    return list(tangent(cfg, res.q, res.k, res.v, ops, res.out, res.lse, dq, dk, dv, d_diff))
+
+
+def apply_forward_and_tangent(cfg: KernelConfig, primals: Residuals, which: Sequence[bool],
+                              tangents: Sequence[Array]) -> list[Array]:
+    """`[out, lse, max_score, d_out, d_lse]` in one pass (`primals`' `out` and `lse` are
+    not read: they are what this computes)."""
+    dq, dk, dv, d_diff = _tangent_arguments(primals, which, tangents)
+    ops = combine(primals.diff, primals.const)
+    return list(forward_and_tangent(cfg, primals.q, primals.k, primals.v, ops, dq, dk, dv,
+                                    d_diff))
+
+
+def _tangent_arguments(res: Residuals, which: Sequence[bool], tangents: Sequence[Array]
+                       ) -> tuple[Any, Any, Any, Any]:
+    """`(dq, dk, dv, d_diff)` from the tangents of the marked leaves (None where zero)."""
     tree = jax.tree.structure(differentiable(res))
     it = iter(tangents)
     dq, dk, dv, d_diff = jax.tree.unflatten(tree, [next(it) if w else None for w in which])
     if isinstance(d_diff, Operands) and d_diff.score_mod_arrays is not None:
         d_diff = replace(d_diff, score_mod_arrays=_zero_tangents_filled(
             d_diff.score_mod_arrays, res.diff.score_mod_arrays))
-    ops = combine(res.diff, res.const)
-    return list(tangent(cfg, res.q, res.k, res.v, ops, res.out, res.lse, dq, dk, dv, d_diff))
+    return dq, dk, dv, d_diff
 
 
 def apply_backward(cfg: KernelConfig, res: Residuals, which: Sequence[bool],

@@ -5,6 +5,7 @@ newest; everything else the package uses is common to all of them.
 | --- | --- | --- |
 | `pcast_varying(x, axes)` | `lax.pcast(x, axes, to="varying")` | `lax.pvary(x, axes)` |
 | `varying_axes(x)` | `jax.typeof(x).manual_axis_type.varying` | `jax.typeof(x).vma` |
+| `set_current_trace` | `jax.extend.core.set_current_trace` | `jax._src.core`'s |
 
 `jax.shard_map(..., check_vma=)`, `jax.typeof`, `jax.lax.axis_size` and `jax.tree.*`
 exist under these names from jax 0.6.1 on, so they are used directly. The floor is 0.7.0
@@ -15,7 +16,13 @@ break `shard_map(check_vma=True)` (see the README's "Supported versions").
 from collections.abc import Hashable
 
 import jax
+import jax.extend.core
 from jaxtyping import Array
+
+if hasattr(jax.extend.core, "set_current_trace"):
+    set_current_trace = jax.extend.core.set_current_trace
+else:  # jax 0.7: not yet exported (the same function)
+    from jax._src.core import set_current_trace  # noqa: F401
 
 
 def pcast_varying(x: Array, axes: tuple[Hashable, ...]) -> Array:
@@ -35,3 +42,12 @@ def varying_axes(x: Array) -> frozenset[Hashable]:
     if manual is not None:
         return frozenset(manual.varying)
     return frozenset(getattr(aval, "vma", ()))  # older jax: the same set, named `vma`
+
+
+def unsharded(x: Array) -> bool:
+    """Whether `x`'s type carries no mesh: no varying manual axes (`shard_map`) and no
+    sharding of its own (`jax.sharding.use_mesh` / `jax.set_mesh`)."""
+    if varying_axes(x):
+        return False
+    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+    return mesh is None or bool(getattr(mesh, "empty", True))

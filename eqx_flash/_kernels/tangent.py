@@ -18,9 +18,16 @@ operands' tangents; a score_mod's is `jax.jvp` of it on the block, along `dS` an
 tangents of its arrays. Per block: `S`, `dS` (one product `[q, dq] [dk, k]^T` of twice
 the depth), `(P*M) dV` and `(P*M*dS) V`; tangents that are zero are not materialised and
 their products are skipped (`_tangent_inputs`). A row with no key gets zero tangents.
-The derivative rule (`_autodiff.derivatives`) runs the forward kernel for `out` and
-`lse` and this kernel for their tangents: a jvp costs a forward plus about 2.5 forwards
-(`benchmarks/jvp_results.md`).
+Two entry points:
+
+- `tangent`, given the forward's `out` and `lse`: the linear map that reverse mode
+  transposes (`_autodiff.linear`), so it recomputes the logits the forward formed.
+- `forward_and_tangent`, one pass that computes `out`, `lse` and their tangents together
+  (`jax.jvp` where nothing is transposed): the online softmax carries `[P V, P dV]` (one
+  product of the weights with `[v, dv]`), `(P dS) V` and `rowsum(P dS)`, all rescaled by
+  the running max, so the logits are formed once. Per block: `S`, `dS`, `P [V, dV]` and
+  `(P dS) V`, the 3.0-forwards product floor of a jvp against 3.5 for the forward and
+  `tangent` in turn (`benchmarks/jvp_results.md`).
 """
 
 import functools
@@ -33,14 +40,17 @@ from jaxtyping import Array
 from .._core.config import KernelConfig, stat_dtype
 from .._core.operands import Operands, combine, constant_part, replace
 from .._mods.tracing import apply_score_mod
+from .._semantics import softmax
 from .._semantics.softmax import finite_lse
 from .heads import Head, per_head
 from .schedule import Bands, Limits, band_ranges, over_band, run_limits
 from .tile import (
+    attended_values,
     dropout_multiplier,
     folds_scale,
     logits,
     matmul,
+    nonfinite_keys,
     rows,
     scaled,
     score_terms,
@@ -219,3 +229,125 @@ def _tangent_tile(inputs: _TangentHead, blocks, q_start, k_start, mask, carry: A
         acc_t = acc_t + matmul(p_ds_v.astype(dtype), vv_blk[:, :dim_v], "qk,kd->qd", stat)
         acc_ds = acc_ds + p_ds.sum(axis=-1)
     return acc_t, acc_ds, lse
+
+
+def forward_and_tangent(
+    cfg: KernelConfig, q: Array, k: Array, v: Array, ops: Operands,
+    dq: Array | None, dk: Array | None, dv: Array | None, d_ops: Operands,
+) -> tuple[Array, Array, Array, Array, Array]:
+    """`forward`'s `(out, lse, max_score)` and `tangent`'s `(d_out, d_lse)` in one pass
+    over the blocks (arguments as `tangent`'s, without `out` and `lse`)."""
+    has = tuple(t is not None for t in (dq, dk, dv))
+    kernel = functools.partial(_one_pass_head, cfg, band_ranges(cfg, by="q"), has)
+    tangents = tuple(t for t in (dq, dk, dv) if t is not None)
+    return per_head(kernel, ops, (q, k, v, *tangents), tangents=d_ops)
+
+
+class _OnePass(NamedTuple):
+    """A query block's running state: the forward's, with `acc` `(g, bq, dim_v [+
+    dim_v])` holding `sum_j p_j M_j [v_j, dv_j]`, and the tangent's sums against the same
+    running max."""
+
+    running: softmax.Running
+    acc_t: Array  # (g, bq, dim_v): sum_j p_j dS_j M_j v_j
+    acc_ds: Array  # (g, bq): sum_j p_j dS_j
+
+
+def _one_pass_head(cfg: KernelConfig, bands: Bands, has: tuple[bool, ...], head: Head,
+                   arrays: tuple[Array, ...]) -> tuple[Array, ...]:
+    q, k, v, *tangents = arrays
+    it = iter(tangents)
+    dq, dk, dv = (next(it) if h else None for h in has)
+    inputs = _tangent_inputs(cfg, head, q, k, v, dq, dk, dv)
+    # Value rows holding a NaN or inf: of v (they poison `out`) and of [v, dv] (d_out).
+    bad = (nonfinite_keys(v), nonfinite_keys(inputs.vv))
+    limits = run_limits(cfg, head.operands, by="q")
+
+    def query_block(_, i):
+        return None, _one_pass_query_block(inputs, bad, bands, limits, i)
+
+    num_q = q.shape[1] // cfg.block_q
+    _, results = jax.lax.scan(query_block, None, jnp.arange(num_q, dtype=jnp.int32))
+    return tuple(unscan(x) for x in results)
+
+
+def _one_pass_query_block(inputs: _TangentHead, bad: tuple[Array, Array], bands: Bands,
+                          limits: Limits | None, i: Array) -> tuple[Array, ...]:
+    """`(out, lse, max_score, d_out, d_lse)` of query block `i`."""
+    cfg, dim_v = inputs.cfg, inputs.dim_v
+    bq = cfg.block_q
+    q_blk = rows(inputs.q, i * bq, bq, 1)
+    qq_blk = None if inputs.qq is None else rows(inputs.qq, i * bq, bq, 1)
+    groups, stat = q_blk.shape[0], stat_dtype(q_blk.dtype)
+    running = softmax.start(q_blk, (groups, bq, inputs.vv.shape[-1]), stat)
+    init = _OnePass(running, jnp.zeros_like(q_blk, stat, shape=(groups, bq, dim_v)),
+                    jnp.zeros_like(running.row_sum))
+
+    def step(state: _OnePass, j: Array, positional: bool) -> _OnePass:
+        k_start = j * cfg.block_k
+        kk = None if inputs.kk is None else rows(inputs.kk, k_start, cfg.block_k, 0)
+        blocks = (q_blk, qq_blk, rows(inputs.k, k_start, cfg.block_k, 0), kk,
+                  rows(inputs.vv, k_start, cfg.block_k, 0))
+        tile = functools.partial(_one_pass_tile, inputs, bad, blocks, i * bq, k_start)
+        return visit(cfg, inputs.head, i, j, positional, tile, state)
+
+    state = over_band(bands, i, step, init, limits)
+    acc, row_max, row_sum = state.running
+    out, lse = softmax.finish(acc[..., :dim_v], row_max, row_sum)
+    # As `finish`: a row that attended nothing gets zero tangents, a NaN row stays NaN.
+    attended = row_sum != 0
+    safe_sum = jnp.where(attended, row_sum, 1.0)
+    d_lse = state.acc_ds / safe_sum
+    d_out = state.acc_t + acc[..., dim_v:] if acc.shape[-1] > dim_v else state.acc_t
+    d_out = d_out / safe_sum[..., None] - d_lse[..., None] * out
+    d_out = jnp.where(attended[..., None], d_out, 0.0)
+    d_lse = jnp.where(attended, d_lse, 0.0)
+    dtype = inputs.q.dtype
+    return (out.astype(dtype), lse, softmax.max_score(row_max, row_sum),
+            d_out.astype(dtype), d_lse)
+
+
+def _poisoned(acc: Array, dim_v: int, reach_v: Array | None, reach_any: Array | None
+              ) -> Array:
+    """`acc` with the `v` columns NaN in the rows that attend a non-finite value, and the
+    `dv` columns NaN in those that attend a non-finite value or tangent (as
+    `softmax.poison` does to the forward's whole row)."""
+    if reach_v is None or reach_any is None:
+        return acc
+    is_v = jnp.arange(acc.shape[-1]) < dim_v
+    reach = jnp.where(is_v, reach_v[..., None], reach_any[..., None])
+    return jnp.where(reach, jnp.asarray(jnp.nan, acc.dtype), acc)
+
+
+def _one_pass_tile(inputs: _TangentHead, bad: tuple[Array, Array], blocks, q_start,
+                   k_start, mask, state: _OnePass) -> _OnePass:
+    """Take key block `k_start` into the query block's running state: the forward's
+    online-softmax step on `[v, dv]`, and the tangent's sums rescaled alike."""
+    cfg, dim_v = inputs.cfg, inputs.dim_v
+    stat = state.acc_t.dtype
+    s, ds = _logits_and_tangent(inputs, blocks, q_start, k_start)
+    if mask is not None:
+        s = jnp.where(mask, s, -jnp.inf)
+    p, alpha, row_max, row_sum = softmax.rescale(state.running, s)
+    drop = dropout_multiplier(cfg, inputs.head, q_start, k_start, stat)
+    vv_blk = blocks[4]
+    reach_v = reach_any = None
+    if mask is not None:  # masked pairs: no 0 * NaN from the values they do not attend
+        bad_v, bad_any = (rows(b, k_start, cfg.block_k, 0) for b in bad)
+        vv_blk, reach_any = attended_values(vv_blk, mask, bad_any)
+        reach_v = (reach_any if vv_blk.shape[-1] == dim_v
+                   else attended_values(vv_blk[:, :dim_v], mask, bad_v)[1])
+    dtype = vv_blk.dtype
+    p_v = p if drop is None else p * drop
+    acc = alpha[..., None] * state.running.acc + matmul(
+        p_v.astype(dtype), vv_blk, "qk,kd->qd", stat)
+    acc = _poisoned(acc, dim_v, reach_v, reach_any)
+    acc_t, acc_ds = alpha[..., None] * state.acc_t, alpha * state.acc_ds
+    if ds is not None:  # (P*M*dS) V and rowsum(P*dS)
+        p_ds = p * ds
+        if cfg.mods is not None and cfg.mods.score is not None:
+            p_ds = jnp.where(p > 0, p_ds, 0.0)  # as in `_tangent_tile`
+        p_ds_v = p_ds if drop is None else p_ds * drop
+        acc_t = acc_t + matmul(p_ds_v.astype(dtype), vv_blk[:, :dim_v], "qk,kd->qd", stat)
+        acc_ds = acc_ds + p_ds.sum(axis=-1)
+    return _OnePass(softmax.Running(acc, row_max, row_sum), acc_t, acc_ds)
