@@ -17,6 +17,9 @@ forward+backward at `--memory-seq` (XLA's `memory_analysis()`; compiled, not run
 
 FLOP counts: 4 * seq^2 * dim per head for the forward (two block products), 3.5x that for
 forward+backward (eqx_flash recomputes the logits: 7 products); causal counts half.
+A last table times eqx_flash alone (fwd, fwd+bwd, jvp at `--seq` and twice it) in rounds
+interleaved with the matmul, no peer between them: its fractions of the peak are the
+kernels' own (a jvp counted as 6 products, 3 forwards).
 """
 
 import importlib.metadata
@@ -144,6 +147,39 @@ def matmul_peak(n: int = 2048, repeats: int = 15) -> float:
     return 2 * n**3 / interleaved_medians(calls, repeats, jax.block_until_ready)["matmul"]
 
 
+def own_fractions(seq: int, heads: int, dim: int, rounds: int) -> list[str]:
+    """eqx_flash's fwd, fwd+bwd and jvp at `seq` and `2 * seq` (full attention), each
+    against the matmul timed in the same interleaved rounds, with no multi-GiB peer in
+    between: the kernels' own efficiency, as markdown lines."""
+    calls: dict[str, Callable[[], object]] = {}
+    a = jax.random.normal(jax.random.key(0), (2048, 2048), jnp.float32)
+    matmul = jax.jit(lambda a: a @ a)
+    calls["matmul"] = lambda: matmul(a)
+    for n in (seq, 2 * seq):
+        x = [jax.random.normal(jax.random.key(i), (1, heads, n, dim)) for i in range(6)]
+        fwd = jax.jit(lambda q, k, v: _eqx_flash(q, k, v, False))
+        grad = jax.jit(jax.grad(_loss(_eqx_flash, False), argnums=(0, 1, 2)))
+        jvp = jax.jit(lambda q, k, v, *t: jax.jvp(lambda *a: _eqx_flash(*a, False),
+                                                   (q, k, v), t))
+        calls[f"fwd|{n}"] = lambda f=fwd, x=x: f(*x[:3])
+        calls[f"fwd+bwd|{n}"] = lambda f=grad, x=x: f(*x[:3])
+        calls[f"jvp|{n}"] = lambda f=jvp, x=x: f(*x)
+    medians = interleaved_medians(calls, rounds, jax.block_until_ready, settle=1)
+    peak = 2 * 2048**3 / medians["matmul"]
+    lines = [f"eqx_flash alone, interleaved with the 2048^3 matmul ({peak / 1e9:.0f} "
+             "GFLOP/s in these rounds), full attention:", "",
+             "| seq | fwd | fwd+bwd | jvp | jvp / fwd |", "|---|---|---|---|---|"]
+    for n in (seq, 2 * seq):
+        fwd_flops = 4 * n**2 * dim * heads
+        cells = []
+        for mode, forwards in (("fwd", 1), ("fwd+bwd", 3.5), ("jvp", 3)):
+            t = medians[f"{mode}|{n}"]
+            cells.append(f"{t * 1e3:.0f} ms ({forwards * fwd_flops / t / peak:.2f} of peak)")
+        ratio = medians[f"jvp|{n}"] / medians[f"fwd|{n}"]
+        lines.append(f"| {n} | " + " | ".join(cells) + f" | {ratio:.2f}x |")
+    return lines
+
+
 def main() -> None:
     p = problem_arguments(__doc__)
     p.add_argument("--memory-seq", type=int, default=16384)
@@ -213,6 +249,7 @@ def main() -> None:
                          f"{min(others) / medians[f'eqx_flash|{mode}']:.2f}x")
     for name, why in missing.items():
         lines.append(f"- not measured: {name} ({why})")
+    lines += ["", *own_fractions(args.seq, args.heads, args.dim, args.rounds)]
     text = "\n".join(lines)
     print(text)
     if args.out is not None:
