@@ -88,6 +88,40 @@ def test_property_a_nan_reaches_exactly_the_rows_that_attend_it(inputs, where, d
         _assert_only_rows_nan(out, lse, ref, nan_rows, lse_nan=where != "v")
 
 
+@settings(max_examples=12, deadline=None)
+@given(attention_inputs(dtypes=[jnp.float32], max_seq=64, lengths=None), st.data())
+def test_property_a_nan_value_reaches_the_derivatives_the_reference_does(inputs, data):
+    """A NaN value row: the gradients (the backward kernel) are NaN exactly where
+    `plain_attention`'s are, and the tangents of `jax.jvp` (the one-pass kernel) and of
+    `jax.linearize` (the tangent kernel) in exactly the rows whose output is NaN, whatever
+    the masks and block sizes: a masked pair's weight 0 never multiplies the NaN into a
+    row that does not attend it. (The reference's tangent of a NaN row is 0, not NaN:
+    its NaN is a `where`, whose derivative does not carry it.)"""
+    index = _draw_position(data.draw, inputs.v.shape)
+    v = _with(inputs.v, index, np.nan)
+    args = (inputs.q, inputs.k, v)
+
+    def grads(fn, kwargs):
+        def loss(q, k, v):
+            return jnp.sum(fn(q, k, v, **kwargs)[0])
+        return jax.grad(loss, argnums=(0, 1, 2))(*args)
+
+    expected = grads(plain_attention, _reference_kwargs(inputs))
+    for name, g, w in zip(("dq", "dk", "dv"), grads(flash_attention, inputs.kwargs), expected,
+                          strict=True):
+        np.testing.assert_array_equal(np.isnan(g), np.isnan(w), name)
+
+    def attend(q, k, v):
+        return flash_attention(q, k, v, **inputs.kwargs)
+
+    tangents = tuple(jnp.cos(x) for x in (inputs.q, inputs.k, inputs.v))
+    (out, _), (d_out, _) = jax.jvp(attend, args, tangents)
+    linear_d_out = jax.linearize(attend, *args)[1](*tangents)[0]
+    nan_rows = np.isnan(np.asarray(out)).any(-1)
+    for name, t in (("jvp", d_out), ("linearize", linear_d_out)):
+        np.testing.assert_array_equal(np.isnan(np.asarray(t)).any(-1), nan_rows, name)
+
+
 @settings(max_examples=15, deadline=None)
 @given(attention_inputs(dtypes=[jnp.float32], max_seq=64, lengths=None, softcap=None),
        st.sampled_from(["q", "k", "v"]), st.sampled_from([np.inf, -np.inf]), st.data())
@@ -223,10 +257,33 @@ def test_causal_tangent_reaches_only_later_rows(where):
     else:
         dv = dv.at[0, 0, 9, 3].set(jnp.nan)
     for blocks in ({}, {"block_q": 16, "block_k": 16}, {"block_q": 4, "block_k": 8}):
-        (out, lse), (d_out, d_lse) = jax.jvp(
-            functools.partial(eqx_flash.causal_flash_attention, q, k, **blocks), (v,), (dv,))
-        rows = np.isnan(np.asarray(d_out[0, 0])).any(-1)
-        np.testing.assert_array_equal(rows, np.arange(32) >= 9)
-        assert np.isfinite(d_out[0, 1]).all() and np.isfinite(d_lse).all()
-        assert np.isfinite(lse).all()
+        attend = functools.partial(eqx_flash.causal_flash_attention, q, k, **blocks)
+        (out, lse), (d_out, d_lse) = jax.jvp(attend, (v,), (dv,))
+        # `jax.linearize` runs the forward and then the tangent kernel: the same rows.
+        linear_d_out = jax.linearize(attend, v)[1](dv)[0]
+        for tangent in (d_out, linear_d_out):
+            rows = np.isnan(np.asarray(tangent[0, 0])).any(-1)
+            np.testing.assert_array_equal(rows, np.arange(32) >= 9)
+            assert np.isfinite(tangent[0, 1]).all()
+        assert np.isfinite(d_lse).all() and np.isfinite(lse).all()
         assert np.isfinite(out).all() == (where == "dv")
+
+
+def test_causal_value_reaches_no_earlier_gradient():
+    """Reverse mode: a NaN value at key 9 leaves the gradients of a loss on rows 0-8
+    (which never attend it) finite, in a diagonal block too, as `plain_attention`'s."""
+    q, k, v = seeded_qkv((1, 2, 32, 8), (1, 2, 32, 8))
+    v = v.at[0, 0, 9, 3].set(jnp.nan)
+
+    def grads(fn, **blocks):
+        def loss(q, k, v):
+            return jnp.sum(fn(q, k, v, causal=True, **blocks)[0][..., :9, :])
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    expected = grads(plain_attention)
+    for blocks in ({}, {"block_q": 16, "block_k": 16}, {"block_q": 4, "block_k": 8}):
+        for got, want in zip(grads(flash_attention, **blocks), expected, strict=True):
+            np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+            finite = ~np.isnan(np.asarray(want))
+            assert_close(np.asarray(got)[finite], np.asarray(want)[finite], kind="grad")
+        assert np.isfinite(np.asarray(grads(flash_attention, **blocks)[0])[0, 0, :9]).all()

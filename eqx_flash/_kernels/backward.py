@@ -240,6 +240,11 @@ def _backward_tile(
     dv_b = dv_b + jnp.matmul(p_v.astype(inputs.v_dtype), query.do_rows[i],
                              preferred_element_type=stat)
     ds = p * (dp - query.delta_cols[i])
+    if mask is not None:
+        # A masked pair's weight is 0, but a non-finite value row makes its dp NaN (or
+        # inf) for every query, and 0 * NaN would carry it to queries that never attend
+        # that key: their ds is exactly 0.
+        ds = jnp.where(mask, ds, 0.0)
     if t is not None:
         ds = ds * (1.0 - t * t)
     if vjps:  # through the score_mod: ds becomes the cotangent of its input

@@ -109,18 +109,20 @@ def _tangent_head(cfg: KernelConfig, bands: Bands, has: tuple[bool, ...], head: 
     it = iter(tangents)
     dq, dk, dv = (next(it) if h else None for h in has)
     inputs = _tangent_inputs(cfg, head, q, k, v, dq, dk, dv)
+    bad = nonfinite_keys(inputs.vv)  # value rows (or their tangents) holding NaN or inf
     limits = run_limits(cfg, head.operands, by="q")
     groups, num_q = q.shape[0], q.shape[1] // cfg.block_q
     # (g, seq_q, ...) -> (num_q, g, bq, ...): one slice per query block.
     out_blocks = jnp.moveaxis(out.reshape(groups, num_q, cfg.block_q, -1), 1, 0)
     lse_blocks = jnp.moveaxis(lse.reshape(groups, num_q, cfg.block_q), 1, 0)
-    block = functools.partial(_tangent_query_block, inputs, bands, limits)
+    block = functools.partial(_tangent_query_block, inputs, bad, bands, limits)
     xs = (jnp.arange(num_q, dtype=jnp.int32), out_blocks, lse_blocks)
     _, (d_out, d_lse) = jax.lax.scan(block, None, xs)
     return unscan(d_out), unscan(d_lse)
 
 
-def _tangent_query_block(inputs: _TangentHead, bands: Bands, limits: Limits | None, _, xs):
+def _tangent_query_block(inputs: _TangentHead, bad: Array, bands: Bands,
+                         limits: Limits | None, _, xs):
     """`(d_out, d_lse)` of one query block, given its `out` and `lse`."""
     i, out_blk, lse_blk = xs  # (g, bq, dv), (g, bq)
     cfg = inputs.cfg
@@ -138,7 +140,7 @@ def _tangent_query_block(inputs: _TangentHead, bands: Bands, limits: Limits | No
         kk = None if inputs.kk is None else rows(inputs.kk, k_start, cfg.block_k, 0)
         blocks = (q_blk, qq_blk, rows(inputs.k, k_start, cfg.block_k, 0), kk,
                   rows(inputs.vv, k_start, cfg.block_k, 0))
-        tile = functools.partial(_tangent_tile, inputs, blocks, i * bq, k_start)
+        tile = functools.partial(_tangent_tile, inputs, bad, blocks, i * bq, k_start)
         return visit(cfg, inputs.head, i, j, positional, tile, carry)
 
     acc_t, d_lse, _ = over_band(bands, i, step, init, limits)
@@ -204,15 +206,20 @@ def _logits_and_tangent(inputs: _TangentHead, blocks, q_start, k_start):
     return s, ds
 
 
-def _tangent_tile(inputs: _TangentHead, blocks, q_start, k_start, mask, carry: Any):
+def _tangent_tile(inputs: _TangentHead, bad: Array, blocks, q_start, k_start, mask,
+                  carry: Any):
     """One (query block, key block) update of `(acc_t, acc_ds, lse)`: the weights come
     out normalised by the row's known lse, so nothing is rescaled."""
     vv_blk, dim_v = blocks[4], inputs.dim_v
     acc_t, acc_ds, lse = carry
     stat = acc_t.dtype
     s, ds = _logits_and_tangent(inputs, blocks, q_start, k_start)
+    reaches = None
     if mask is not None:
         s = jnp.where(mask, s, -jnp.inf)
+        # No 0 * NaN from value rows the masked pairs do not attend (as in the forward).
+        vv_blk, reaches = attended_values(
+            vv_blk, mask, rows(bad, k_start, inputs.cfg.block_k, 0))
     p = jnp.exp(s - lse[..., None])
     drop = dropout_multiplier(inputs.cfg, inputs.head, q_start, k_start, stat)
     dtype = vv_blk.dtype
@@ -228,7 +235,7 @@ def _tangent_tile(inputs: _TangentHead, blocks, q_start, k_start, mask, carry: A
         p_ds_v = p_ds if drop is None else p_ds * drop
         acc_t = acc_t + matmul(p_ds_v.astype(dtype), vv_blk[:, :dim_v], "qk,kd->qd", stat)
         acc_ds = acc_ds + p_ds.sum(axis=-1)
-    return acc_t, acc_ds, lse
+    return softmax.poison(acc_t, reaches), acc_ds, lse
 
 
 def forward_and_tangent(
