@@ -137,9 +137,7 @@ def _tangent_query_block(inputs: _TangentHead, bad: Array, bands: Bands,
 
     def step(carry, j: Array, positional: bool):
         k_start = j * cfg.block_k
-        kk = None if inputs.kk is None else rows(inputs.kk, k_start, cfg.block_k, 0)
-        blocks = (q_blk, qq_blk, rows(inputs.k, k_start, cfg.block_k, 0), kk,
-                  rows(inputs.vv, k_start, cfg.block_k, 0))
+        blocks = _blocks(inputs, q_blk, qq_blk, k_start)
         tile = functools.partial(_tangent_tile, inputs, bad, blocks, i * bq, k_start)
         return visit(cfg, inputs.head, i, j, positional, tile, carry)
 
@@ -148,6 +146,14 @@ def _tangent_query_block(inputs: _TangentHead, bad: Array, bands: Bands,
     d_out = jnp.where(attended[..., None], d_out, 0.0)
     d_lse = jnp.where(attended, d_lse, 0.0)
     return None, (d_out.astype(inputs.q.dtype), d_lse)
+
+
+def _blocks(inputs: _TangentHead, q_blk: Array, qq_blk: Array | None, k_start: Array
+            ) -> tuple[Any, ...]:
+    """`(q, qq, k, kk, vv)` blocks of one block pair (`qq`, `kk` None where absent)."""
+    bk = inputs.cfg.block_k
+    kk = None if inputs.kk is None else rows(inputs.kk, k_start, bk, 0)
+    return q_blk, qq_blk, rows(inputs.k, k_start, bk, 0), kk, rows(inputs.vv, k_start, bk, 0)
 
 
 def _score_mod_jvp(inputs: _TangentHead, q_start, k_start, ds: Array | None, found: list):
@@ -292,9 +298,7 @@ def _one_pass_query_block(inputs: _TangentHead, bad: tuple[Array, Array], bands:
 
     def step(state: _OnePass, j: Array, positional: bool) -> _OnePass:
         k_start = j * cfg.block_k
-        kk = None if inputs.kk is None else rows(inputs.kk, k_start, cfg.block_k, 0)
-        blocks = (q_blk, qq_blk, rows(inputs.k, k_start, cfg.block_k, 0), kk,
-                  rows(inputs.vv, k_start, cfg.block_k, 0))
+        blocks = _blocks(inputs, q_blk, qq_blk, k_start)
         tile = functools.partial(_one_pass_tile, inputs, bad, blocks, i * bq, k_start)
         return visit(cfg, inputs.head, i, j, positional, tile, state)
 
