@@ -181,15 +181,19 @@ def map_fields(fn: Callable[..., Any], ops: Operands, *rest: Any) -> Operands:
         for n in FIELDS})
 
 
-def partition_specs(ops: Operands, mesh_axes: Mapping[int, Any]) -> Operands:
+def partition_specs(
+    ops: Operands, mesh_axes: Mapping[int, Any] | Callable[[str, Any], Mapping[int, Any]],
+) -> Operands:
     """Each operand's `PartitionSpec` for `jax.shard_map`: a `GRID` or `BLOCKS` operand's
     axis `a` over `mesh_axes[a]` (a mesh axis name, or a tuple of them) where it is not
-    broadcast (size 1) there; `SHARED` operands replicated."""
+    broadcast (size 1) there; `SHARED` operands replicated. `mesh_axes` may depend on the
+    operand: a function of its name and value."""
 
     def spec(name: str, x: Any) -> Any:
         if layout_of(name) == SHARED:
             return jax.tree.map(lambda _: PartitionSpec(), x)
-        axes = [mesh_axes.get(a) if x.shape[a] != 1 else None for a in range(x.ndim)]
+        by_axis = mesh_axes(name, x) if callable(mesh_axes) else mesh_axes
+        axes = [by_axis.get(a) if x.shape[a] != 1 else None for a in range(x.ndim)]
         return PartitionSpec(*axes)
 
     return map_fields(spec, ops)

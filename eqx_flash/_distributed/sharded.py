@@ -23,7 +23,7 @@ from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, jaxtyped
 
 from .._api.binder import bind, is_concrete, refuse
-from .._core.operands import SHARED, Operands, layout_of, map_fields, replace
+from .._core.operands import SHARED, Operands, layout_of, map_fields, partition_specs, replace
 from .._core.options import AttentionOptions
 from .._core.shapes import Shapes, merge_heads, split_heads
 from .._core.types import (
@@ -289,21 +289,14 @@ def _sequence_axes(name: str, x: Any) -> tuple[tuple[int, ...], tuple[int, ...]]
 
 def _ring_operand_specs(ops: Operands, seq_axis: Hashable, batch_axis: Hashable | None,
                         head_axis: Hashable | None) -> Operands:
-    """Each operand's `PartitionSpec` (batch and heads axes where it has them)."""
+    """Each operand's `PartitionSpec`: batch and heads axes where it has them, and its
+    sequence axes (`_sequence_axes`) over the ring."""
 
-    def spec(name: str, x: Any) -> Any:
-        if layout_of(name) == SHARED:
-            return jax.tree.map(lambda _: PartitionSpec(), x)
-        axes: list[Hashable | None] = [None] * 5
-        if batch_axis is not None and x.shape[0] != 1:
-            axes[0] = batch_axis
-        if head_axis is not None and x.shape[1] != 1:
-            axes[1] = head_axis
-        for axis in _sequence_axes(name, x)[0]:
-            axes[axis] = seq_axis
-        return PartitionSpec(*axes)
+    def mesh_axes(name: str, x: Any) -> dict[int, Hashable | None]:
+        return {0: batch_axis, 1: head_axis,
+                **dict.fromkeys(_sequence_axes(name, x)[0], seq_axis)}
 
-    return map_fields(spec, ops)
+    return partition_specs(ops, mesh_axes)
 
 
 @functools.partial(jax.jit, static_argnames=("ring", "mesh", "batch_axis", "head_axis"))
