@@ -75,7 +75,8 @@ def with_custom_derivatives(attention: Callable[..., Any]) -> Callable[..., Any]
 
     @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
     def wrapped(cfg, q, k, v, diff: Operands, const: Operands):
-        return attention(cfg, q, k, v, combine(diff, const))
+        return _batched_alike(attention(cfg, q, k, v, combine(diff, const)),
+                              (q, k, v, diff, const))
 
     @functools.partial(wrapped.defjvp, symbolic_zeros=True)
     def wrapped_jvp(cfg, primals, tangents):
@@ -94,8 +95,10 @@ def with_custom_derivatives(attention: Callable[..., Any]) -> Callable[..., Any]
             d_out, d_lse = jnp.zeros_like(out), jnp.zeros_like(lse)
         elif _one_pass_applies(cfg, (q, k, v, diff, const), nonzero):
             flat, tree = jax.tree.flatten((q, k, v, diff, const))
-            out, lse, max_score, d_out, d_lse = one_pass_p.bind(
-                *flat, *nonzero, cfg=cfg, which=which, tree=tree, two_pass=two_pass)
+            # (Tied to the primals alone: a primal result tied to a tangent would no
+            # longer be known to `jax.linearize`.)
+            out, lse, max_score, d_out, d_lse = _batched_alike(one_pass_p.bind(
+                *flat, *nonzero, cfg=cfg, which=which, tree=tree, two_pass=two_pass), flat)
         else:
             out, lse, max_score, d_out, d_lse = two_pass(cfg, which, q, k, v, diff, const,
                                                          nonzero)
@@ -110,6 +113,35 @@ def with_custom_derivatives(attention: Callable[..., Any]) -> Callable[..., Any]
         return out, lse, max_score, d_out, d_lse
 
     return wrapped
+
+
+def _batched_alike(results: Any, inputs: Any) -> Any:
+    """`results` unchanged in value, but under `vmap` batched along every axis that any
+    of `inputs` is, with that batch axis first, at every level.
+
+    A `custom_jvp` staged into a jaxpr (here: inside the jitted `_blockwise`) and then
+    batched records how its function's results are batched; a later JVP evaluates the
+    rule and takes its primal results to be batched the same way. The forward kernel's
+    results are batched however its ops leave them (lse not at all where only v is
+    mapped; a `lax.map` over heads puts the axis second), the one-pass primitive's by its
+    rule: under two nested `vmap`s they differed, and a `jax.vjp` returned a value with
+    its batch axes swapped, or failed to lower. Both paths end here, so both agree.
+
+    Adding the sum of an empty slice of each input (exactly 0) makes a result batched
+    wherever that input is; a reshape's batching rule then puts the batch axis first.
+    Unbatched, XLA folds both away."""
+    ties = []
+    for leaf in jax.tree.leaves(inputs):
+        if jnp.issubdtype(leaf.dtype, jax.dtypes.extended):  # a PRNG key
+            leaf = jax.random.key_data(leaf)
+        ties.append(jnp.sum(leaf.ravel()[:0]))
+
+    def tie(x):
+        for t in ties:
+            x = x + t.astype(x.dtype)
+        return jax.lax.reshape(jax.lax.expand_dims(x, (0,)), x.shape)
+
+    return jax.tree.map(tie, results)
 
 
 def _one_pass_applies(cfg: KernelConfig, primals: Any, nonzero: tuple[Any, ...]) -> bool:
