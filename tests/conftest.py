@@ -36,6 +36,18 @@ import jax  # noqa: E402
 # Catch silent broadcasting and dtype promotion bugs (as equinox's own tests do).
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_numpy_dtype_promotion", "strict")
+# Compare at the matmul precision the tolerance table is calibrated for
+# (`eqx_flash.testing.PRECISION`, not imported here: the jaxtyping hook must install
+# first), so that every test means the same on every backend: at JAX's default a float32
+# matmul on TPU is a bfloat16 pass. On CPU both precisions compile to the same program.
+# An explicit JAX_DEFAULT_MATMUL_PRECISION wins (to try the suite at another precision).
+if "JAX_DEFAULT_MATMUL_PRECISION" not in os.environ:
+    jax.config.update("jax_default_matmul_precision", "highest")
+# The optimisations are off only to compile faster on CPU; on an accelerator (`pytest -m
+# accelerator` on a TPU) the tests run the programs users get. (The old-emitters probe above
+# runs with JAX_PLATFORMS=cpu, so it never opens an accelerator; its flag is CPU-only.)
+if jax.default_backend() != "cpu":
+    jax.config.update("jax_disable_most_optimizations", False)
 
 
 settings.register_profile(

@@ -1,8 +1,16 @@
 """Shared test helpers: q/k/v inputs, tolerances and comparisons that report where and how far.
 
 There is one tolerance table, the public `eqx_flash.testing.TOLERANCES` (`(atol, rtol)` per
-input dtype, for `out`, `lse` and gradients). Tests that need a different bound say so at
-the call site with an explicit factor (`scale` for both, `rtol_scale` for the relative part).
+input dtype, for `out`, `lse` and gradients), read through `eqx_flash.testing.tolerance_for`,
+which widens it by the backend's factor (1 on CPU; `BACKEND_FACTORS`). Tests that need a
+different bound say so at the call site with an explicit factor (`scale` for both,
+`rtol_scale` for the relative part).
+
+Every comparison runs at the matmul precision `eqx_flash.testing.PRECISION` ("highest"):
+`conftest.py` sets it for the whole session (unless `JAX_DEFAULT_MATMUL_PRECISION` is set),
+so a test means the same on a TPU, whose default float32 matmul is a bfloat16 pass, as on
+CPU, where the two precisions compile to the same program. `at_precision` states it where
+a test must not depend on that setting.
 """
 
 import contextlib
@@ -17,14 +25,17 @@ try:  # the float64 context manager: `jax.enable_x64` on new jax,
 except ImportError:  # `jax.experimental.enable_x64` on the oldest supported (0.7)
     from jax.experimental import enable_x64 as enable_x64
 
-from eqx_flash.testing import TOLERANCES
+from eqx_flash.testing import PRECISION as PRECISION
+from eqx_flash.testing import tolerance_for
+from eqx_flash.testing._tolerances import at_precision as at_precision
 
 
 def tolerance(dtype=jnp.float32, kind: str = "out", scale: float = 1.0,
               rtol_scale: float = 1.0) -> dict[str, float]:
-    """`{"atol": ..., "rtol": ...}` from `TOLERANCES[dtype].<kind>` times the factors, for
+    """`{"atol": ..., "rtol": ...}` from `tolerance_for(dtype).<kind>` (the table
+    `TOLERANCES` on this backend) times the factors, for
     `np.testing.assert_allclose(..., **tolerance(...))`."""
-    atol, rtol = getattr(TOLERANCES[jnp.dtype(dtype)], kind)
+    atol, rtol = getattr(tolerance_for(dtype), kind)
     return {"atol": atol * scale, "rtol": rtol * scale * rtol_scale}
 
 

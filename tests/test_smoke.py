@@ -311,11 +311,14 @@ def test_score_mod_mask_mod_and_block_mask_match_plain(getkey):
 
 
 @covers("testing.attention_inputs", "testing.check_attention", "testing.AttentionInputs",
-        "testing.Tolerance", "testing.TOLERANCES", "testing.value_and_grad_difference")
+        "testing.Tolerance", "testing.TOLERANCES", "testing.value_and_grad_difference",
+        "testing.PRECISION", "testing.tolerance_for")
 def test_testing_finds_a_bug_and_passes_flash():
     from eqx_flash.testing import TOLERANCES, AttentionInputs, attention_inputs, check_attention
 
     assert TOLERANCES[jnp.dtype(jnp.float32)].out[0] < 1e-4
+    assert eqx_flash.testing.tolerance_for(jnp.float32, "cpu") == TOLERANCES[jnp.dtype(jnp.float32)]
+    assert eqx_flash.testing.PRECISION == "highest"
     assert eqx_flash.testing.value_and_grad_difference is eqx_flash.value_and_grad_difference
 
     @settings(max_examples=3, deadline=None, derandomize=True, database=None)

@@ -24,8 +24,10 @@ from ._families import PrefixLM as PrefixLM
 from ._families import RelativeBiasTable as RelativeBiasTable
 from ._strategies import AttentionInputs as AttentionInputs
 from ._strategies import attention_inputs as attention_inputs
+from ._tolerances import PRECISION as PRECISION
 from ._tolerances import TOLERANCES as TOLERANCES
 from ._tolerances import Tolerance as Tolerance
+from ._tolerances import tolerance_for as tolerance_for
 
 __all__ = [
     "AttentionInputs",
@@ -33,11 +35,13 @@ __all__ = [
     "Dilated",
     "Documents",
     "HeadScaling",
+    "PRECISION",
     "PrefixLM",
     "RelativeBiasTable",
     "Tolerance",
     "TOLERANCES",
     "attention_inputs",
     "check_attention",
+    "tolerance_for",
     "value_and_grad_difference",
 ]

@@ -17,7 +17,7 @@ from .._api.sanity import split_outputs
 from .._core.operands import differentiable_arguments
 from .._mods.tracing import StaticValue
 from ._strategies import AttentionInputs
-from ._tolerances import TOLERANCES, Tolerance
+from ._tolerances import PRECISION, Tolerance, at_precision, tolerance_for
 
 # Floating array arguments whose gradients `check_attention` compares too (for a
 # `score_mod`, the floating arrays of the PyTree).
@@ -247,6 +247,7 @@ def check_attention(
     seed: int = 0,
     max_scores: bool = False,
     second_order: bool = False,
+    precision: str | None = PRECISION,
 ) -> None:
     """Assert that `fn` computes the same attention as `reference` on `inputs`.
 
@@ -271,19 +272,41 @@ def check_attention(
     - `jit`: run both functions under `jax.jit` (non-array keyword arguments static),
         which compiles much faster than running op by op; `False` for functions that
         cannot be traced.
-    - `tolerance`: overrides the per-dtype table `TOLERANCES` (chosen by `q`'s dtype).
+    - `tolerance`: overrides the per-dtype table `TOLERANCES` (chosen by `q`'s dtype and
+        widened by the backend's factor, `tolerance_for`).
     - `seed`: seed of the random linear function the gradients are taken of.
     - `max_scores`: also compare the per-row max scores of `fn(...,
         return_max_scores=True)` (judged like lse: `-inf` in the same places).
     - `second_order`: also compare Hessian-vector products (judged like gradients, with
         twice their tolerance: one more derivative of round-off).
+    - `precision`: the matmul precision both `fn` and `reference` run at
+        (`jax.default_matmul_precision`): `"highest"` (the default, `PRECISION`) compares
+        float32 attention at float32 accuracy on every backend; at JAX's own default a
+        float32 matmul runs in bfloat16 passes on TPU (TF32 on GPU), where two correct
+        attentions differ by ~1e-2 in gradients. `None` keeps whatever precision is
+        in effect; with anything but `"highest"` pass a `tolerance` to match.
 
     **Raises:**
 
     `AssertionError` listing, for each quantity out of tolerance, how many entries, the
     worst one (index, both values, the difference and the tolerance), and the inputs.
     """
-    tol = tolerance if tolerance is not None else TOLERANCES[jnp.dtype(inputs.q.dtype)]
+    tol = tolerance if tolerance is not None else tolerance_for(inputs.q.dtype)
+    with at_precision(precision):
+        problems = _problems(fn, inputs, reference, grads, jvp, jit, tol, seed, max_scores,
+                             second_order)
+    if problems:
+        report = "\n".join(f"  {p}" for p in problems)
+        raise AssertionError(
+            f"attention differs from the reference on {inputs!r} (matmul precision "
+            f"{precision!r}):\n{report}"
+        )
+
+
+def _problems(fn, inputs, reference, grads, jvp, jit, tol, seed, max_scores, second_order
+              ) -> list[str]:
+    """`check_attention`'s comparisons, at the precision in effect: one line per quantity
+    out of tolerance."""
     q, k, v = inputs.q, inputs.k, inputs.v
     weights = _weights(inputs, seed)
     mode = "grads" if grads else "values"
@@ -338,7 +361,4 @@ def check_attention(
         got, expected = (_run(f, inputs.kwargs, q, k, v, None, "max_scores", jit)
                          for f in (fn, reference))
         problems.append(_compare("max_scores", got, expected, tol.lse, per_tensor=False))
-    problems = [p for p in problems if p is not None]
-    if problems:
-        report = "\n".join(f"  {p}" for p in problems)
-        raise AssertionError(f"attention differs from the reference on {inputs!r}:\n{report}")
+    return [p for p in problems if p is not None]
