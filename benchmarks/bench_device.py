@@ -21,7 +21,8 @@ name contains one of the given substrings):
   the kernel built outside any trace, vmapped over the batch, q pre-scaled).
 - `tokamax`: `tokamax.dot_product_attention` (its own choice of implementation), where it
   imports.
-- `jax.nn xla`: `jax.nn.dot_product_attention(implementation="xla")`.
+- `jax.nn xla`: `jax.nn.dot_product_attention(implementation="xla")`; on a GPU also
+  `jax.nn cudnn`.
 
 The Pallas kernels and tokamax run only on a TPU (elsewhere a line says why they were
 skipped); they have no forward mode, so their jvp cells report that. Each cell reports the
@@ -170,9 +171,12 @@ def _eqx(family: str | None = None, block_q: int | None = None, block_k: int | N
     return make
 
 
-def _jax_nn(config, seq, causal, block):
-    return functools.partial(jax.nn.dot_product_attention, is_causal=causal,
-                             implementation="xla")
+def _jax_nn(implementation: str):
+    def make(config, seq, causal, block):
+        return functools.partial(jax.nn.dot_product_attention, is_causal=causal,
+                                 implementation=implementation)
+
+    return make
 
 
 def _pallas_flash(config, seq, causal, block):
@@ -235,7 +239,9 @@ def implementations(blocks: list[int], families: list[str]) -> tuple[list[Impl],
     else:
         skipped.append(f"pallas flash, splash, tokamax: TPU kernels, and the backend is "
                        f"{jax.default_backend()}")
-    found.append(Impl("jax.nn xla", "bshd", _jax_nn))
+    found.append(Impl("jax.nn xla", "bshd", _jax_nn("xla")))
+    if jax.default_backend() == "gpu":
+        found.append(Impl("jax.nn cudnn", "bshd", _jax_nn("cudnn")))
     return found, skipped
 
 
