@@ -219,8 +219,8 @@ def flash_attention(
     - `bias`: additive float bias broadcastable to `(*batch, heads, seq_q, seq_k)`, any
         float dtype; differentiable (its cotangent is reduced over the axes it was
         broadcast along and returned in its own shape and dtype).
-    - `alibi_slopes`: `(heads,)` or `(*batch, heads)`: adds `-slope * |i + seq_k - seq_q
-        - j|` to the logit of query `i` and key `j` (FlashAttention-2's ALiBi, aligned
+    - `alibi_slopes`: `(heads,)` or `(*batch, heads)`: adds `-slope * |i + seq_k - seq_q - j|`
+        to the logit of query `i` and key `j` (FlashAttention-2's ALiBi, aligned
         bottom-right like `causal`), computed in the kernel; differentiable.
     - `sinks`: attention sinks (gpt-oss, StreamingLLM), a float array broadcastable to
         `(*batch, heads)`: one logit per head in every row's softmax denominator, so the
