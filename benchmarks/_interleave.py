@@ -38,8 +38,9 @@ def problem_arguments(doc: str | None) -> argparse.ArgumentParser:
     """The parser every interleaved benchmark starts from: `--seq`, `--heads`, `--dim`,
     `--rounds` (the description: `doc`'s first paragraph); add more, then parse."""
     p = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
-    p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--seq", type=int, default=4096, help="sequence length (queries and keys)")
+    p.add_argument("--heads", type=int, default=4, help="attention heads")
+    p.add_argument("--dim", type=int, default=64, help="head dim")
+    p.add_argument("--rounds", type=int, default=7,
+                   help="interleaved rounds; each time is the median over them")
     return p

@@ -2,7 +2,15 @@
 
     pip install -e ".[bench]"   # adds the peers that install for this Python
     python benchmarks/bench_peers.py [--seq 4096] [--rounds 7] [--memory-seq 16384]
-        [--out benchmarks/peers_results.md]
+        [--out benchmarks/peers_results.md] [--records runs.json] [--plot peers.png]
+    python benchmarks/bench_peers.py --replot benchmarks/peers_results.json  # no measuring
+
+`--records` saves the run as JSON records (`_peers_records.py`), `--plot` draws them:
+time per implementation and mode, and compiled memory. `--replot JSON` redraws a plot
+from saved records (to `--plot`, default `docs/perf_peers.png`, the performance guide's),
+and `--from-markdown MD` reads records from a results file's tables instead (how
+`benchmarks/peers_results.json` was made from `peers_results.md`, which holds runs from
+before the records existed).
 
 Peers (each skipped, and said so, when it does not import): `jax.nn.dot_product_attention`
 (`implementation="xla"`), tokamax `dot_product_attention` with `implementation="xla"` and
@@ -25,9 +33,11 @@ kernels' own (a jvp counted as 6 products, 3 forwards).
 import importlib.metadata
 import platform
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
+import _peers_records
 import jax
 import jax.numpy as jnp
 from _interleave import interleaved_medians, problem_arguments
@@ -35,6 +45,7 @@ from _interleave import interleaved_medians, problem_arguments
 import eqx_flash
 
 Attend = Callable[[jax.Array, jax.Array, jax.Array, bool], jax.Array]  # (b, h, s, d) -> out
+DEFAULT_PLOT = Path(__file__).resolve().parent.parent / "docs" / "perf_peers.png"
 
 
 def _eqx_flash(q, k, v, causal):
@@ -180,11 +191,31 @@ def own_fractions(seq: int, heads: int, dim: int, rounds: int) -> list[str]:
     return lines
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = problem_arguments(__doc__)
-    p.add_argument("--memory-seq", type=int, default=16384)
+    p.add_argument("--memory-seq", type=int, default=16384,
+                   help="seq of the compiled-memory column (causal fwd+bwd, not run)")
     p.add_argument("--out", type=Path, default=None, help="write the markdown table here")
-    args = p.parse_args()
+    p.add_argument("--records", type=Path, default=None,
+                   help="write the run as JSON records here (with --from-markdown: those)")
+    p.add_argument("--plot", type=Path, default=None,
+                   help="draw the records' plot here (PNG; needs matplotlib)")
+    p.add_argument("--replot", type=Path, default=None, metavar="JSON",
+                   help="measure nothing: draw the plot of these saved records (to --plot, "
+                   "default docs/perf_peers.png)")
+    p.add_argument("--from-markdown", type=Path, default=None, metavar="MD",
+                   help="measure nothing: read the records from this results file's tables")
+    args = p.parse_args(argv)
+    if args.replot is not None or args.from_markdown is not None:
+        records = (_peers_records.load(args.replot) if args.replot is not None else
+                   _peers_records.records_from_markdown(args.from_markdown.read_text()))
+        if args.records is not None:
+            _peers_records.save(records, args.records)
+        plot = args.plot or (DEFAULT_PLOT if args.replot is not None else None)
+        if plot is not None:
+            _peers_records.plot(records, plot)
+            print(f"wrote {plot}")
+        return
     sys.argv = sys.argv[:1]  # tokamax parses absl flags from sys.argv on first use
     found, missing = peers()
     for name, attend in list(found.items()):
@@ -232,8 +263,11 @@ def main() -> None:
         "| impl | " + " | ".join(modes) + f" | fwd+bwd causal temp at seq {args.memory_seq} |",
         "|---" * (len(modes) + 2) + "|",
     ]
+    rows = []
     for name in found:
         cells = []
+        rows.append({"impl": name, "ms": {m: medians[f"{name}|{m}"] * 1e3 for m in modes},
+                     "temp_mib": memory[name]})
         for mode in modes:
             t = medians[f"{name}|{mode}"]
             ours = medians[f"eqx_flash|{mode}"]
@@ -254,6 +288,14 @@ def main() -> None:
     print(text)
     if args.out is not None:
         args.out.write_text(text + "\n")
+    records = {"runs": [{"section": time.strftime("%Y-%m-%d"), "title": "",
+                         "environment": lines[0], "problem": lines[2],
+                         "memory_seq": args.memory_seq, "rows": rows}]}
+    if args.records is not None:
+        _peers_records.save(records, args.records)
+    if args.plot is not None:
+        _peers_records.plot(records, args.plot)
+        print(f"wrote {args.plot}")
 
 
 if __name__ == "__main__":

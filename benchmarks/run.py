@@ -4,8 +4,10 @@
     python benchmarks/run.py --quick    # a few minutes: smaller reps, sweep 1k..4k
 
 Every measurement runs in its own subprocess (`_worker.py`) so its peak resident memory is
-its own. Prints progress and a markdown table; writes `benchmarks/results.json`,
-`benchmarks/results.md` and the plots `docs/perf_time.png`, `docs/perf_memory.png`.
+its own. Prints progress and a markdown table; a full run writes `benchmarks/results.json`,
+`benchmarks/results.md` and the plots `docs/perf_time.png`, `docs/perf_memory.png` (the
+tracked results); a `--quick` run writes the same files to `benchmarks/results/quick/`
+(git-ignored), so it never overwrites them. `--out` and `--plots` choose other places.
 """
 
 import argparse
@@ -18,6 +20,7 @@ import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+QUICK = ROOT / "benchmarks" / "results" / "quick"  # git-ignored
 WORKER = ROOT / "benchmarks" / "_worker.py"
 METHODS = ("eqx_flash", "plain_xla", "seed")
 
@@ -206,36 +209,51 @@ def plot(results: list[dict], out_dir: pathlib.Path) -> None:
         print(f"wrote {out_dir / name}", flush=True)
 
 
-def main(argv=None) -> None:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The options, with the defaults that depend on `--quick` filled in."""
     p = argparse.ArgumentParser(description="Benchmark eqx_flash against plain XLA and the seed.")
     p.add_argument("--quick", action="store_true", help="fewer reps, sweep 1k..4k")
     p.add_argument("--seq", type=int, default=4096, help="headline sequence length")
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--heads", type=int, default=4, help="query heads of the headline runs")
+    p.add_argument("--dim", type=int, default=64, help="head dim")
+    p.add_argument("--dtype", default="float32", help="dtype of q, k and v")
     p.add_argument("--reps", type=int, default=None, help="timed runs per measurement")
     p.add_argument("--long-seq", type=int, default=None,
                    help="seq of the long causal memory check (default 65536, quick 16384)")
     p.add_argument("--sweep", type=int, nargs="*", default=None,
                    help="sweep sequence lengths (default 1024..65536, quick 1024..4096)")
-    p.add_argument("--sweep-heads", type=int, default=1)
-    p.add_argument("--sweep-reps", type=int, default=3)
+    p.add_argument("--sweep-heads", type=int, default=1, help="heads in the sweep")
+    p.add_argument("--sweep-reps", type=int, default=3, help="timed runs per sweep point")
     p.add_argument("--max-plain-seq", type=int, default=8192,
                    help="largest seq for plain XLA (it materialises seq^2 logits)")
-    p.add_argument("--max-seed-seq", type=int, default=16384)
+    p.add_argument("--max-seed-seq", type=int, default=16384,
+                   help="largest seq for the seed (flash-attention-jax)")
     p.add_argument("--max-seconds", type=float, default=60.0,
                    help="stop timing reps / growing a method's sweep past this")
     p.add_argument("--timeout", type=float, default=1800.0, help="per measurement")
-    p.add_argument("--skip-sweep", action="store_true")
+    p.add_argument("--skip-sweep", action="store_true", help="only the headline table")
     p.add_argument("--sweep-only", action="store_true", help="no headline table, only plots")
-    p.add_argument("--out", type=pathlib.Path, default=ROOT / "benchmarks" / "results.json")
-    p.add_argument("--plots", type=pathlib.Path, default=ROOT / "docs")
+    p.add_argument("--out", type=pathlib.Path, default=None,
+                   help="results JSON (its .md beside it); default benchmarks/results.json, "
+                   "with --quick benchmarks/results/quick/results.json")
+    p.add_argument("--plots", type=pathlib.Path, default=None,
+                   help="folder for perf_time.png and perf_memory.png; default docs/, with "
+                   "--quick benchmarks/results/quick/")
     args = p.parse_args(argv)
+    if args.out is None:
+        args.out = (QUICK if args.quick else ROOT / "benchmarks") / "results.json"
+    if args.plots is None:
+        args.plots = QUICK if args.quick else ROOT / "docs"
     args.reps = args.reps or (3 if args.quick else 7)
     args.long_seq = args.long_seq or (16384 if args.quick else 65536)
     if args.sweep is None:
         args.sweep = [1024, 2048, 4096] if args.quick else [1024 << i for i in range(7)]
+    return args
 
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     if args.sweep_only:
         swept = sweep(args)

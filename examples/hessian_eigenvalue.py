@@ -117,5 +117,6 @@ def main(iterations: int = 20) -> tuple[list[float], list[float]]:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--iterations", type=int, default=20)
+    parser.add_argument("--iterations", type=int, default=20,
+                        help="power-iteration steps (Hessian-vector products) per model")
     main(parser.parse_args().iterations)

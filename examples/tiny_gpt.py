@@ -235,9 +235,13 @@ def generate(model: TinyGPT, prompt: Int[Array, " seq"], chars: list[str], n: in
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--sample", type=int, default=200, help="characters to generate")
+    parser.add_argument("--steps", type=int, default=300,
+                        help="training steps on examples/tiny_corpus.txt")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seeds the model's initialisation and the batches")
+    parser.add_argument("--sample", type=int, default=200,
+                        help="characters to generate after training (with and without the "
+                        "KV cache)")
     args = parser.parse_args()
     losses = train(args.steps, seed=args.seed, sample=args.sample)
     print(f"loss: first {losses[0]:.3f}, last {losses[-1]:.3f}")

@@ -4,11 +4,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from beartype import beartype
-from jaxtyping import Array, jaxtyped
+from jaxtyping import Array
 
 from .._api.flash import flash_attention
+from .._core.checking import checked
 from .._core.config import stat_dtype
+from .._core.shapes import LAYOUT
 from .._core.types import Attended, Key, KeyMask, OptionalReal, Query, Value
 
 # The seed's fixed logit scale for unit-norm queries and keys.
@@ -30,7 +31,7 @@ def _l2norm(x: Array) -> Array:
     return (xs * inv_norm).astype(x.dtype)
 
 
-@jaxtyped(typechecker=beartype)
+@checked(layout=LAYOUT)
 def cosine_sim_flash_attention(
     q: Query,
     k: Key,

@@ -16,10 +16,10 @@ from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
-from beartype import beartype
-from jaxtyping import Array, PRNGKeyArray, jaxtyped
+from jaxtyping import Array, PRNGKeyArray
 
 from .._autodiff.derivatives import with_custom_derivatives
+from .._core.checking import checked
 from .._core.config import (
     KernelConfig,
     kernel_config,
@@ -37,7 +37,7 @@ from .._core.operands import (
     padded,
     replace,
 )
-from .._core.shapes import Shapes, merge_heads, split_heads
+from .._core.shapes import LAYOUT, Shapes, merge_heads, split_heads
 from .._core.types import (
     AlibiSlopes,
     Attended,
@@ -148,7 +148,7 @@ def _blockwise(q, k, v, ops: Operands, *, cfg: KernelConfig, shapes: Shapes,
     return out, lse, max_score.reshape(lse.shape)
 
 
-@jaxtyped(typechecker=beartype)
+@checked(layout=LAYOUT)
 def flash_attention(
     q: Query,
     k: Key,
@@ -219,8 +219,8 @@ def flash_attention(
     - `bias`: additive float bias broadcastable to `(*batch, heads, seq_q, seq_k)`, any
         float dtype; differentiable (its cotangent is reduced over the axes it was
         broadcast along and returned in its own shape and dtype).
-    - `alibi_slopes`: `(heads,)` or `(*batch, heads)`: adds `-slope * |i + seq_k - seq_q
-        - j|` to the logit of query `i` and key `j` (FlashAttention-2's ALiBi, aligned
+    - `alibi_slopes`: `(heads,)` or `(*batch, heads)`: adds `-slope * |i + seq_k - seq_q - j|`
+        to the logit of query `i` and key `j` (FlashAttention-2's ALiBi, aligned
         bottom-right like `causal`), computed in the kernel; differentiable.
     - `sinks`: attention sinks (gpt-oss, StreamingLLM), a float array broadcastable to
         `(*batch, heads)`: one logit per head in every row's softmax denominator, so the
@@ -283,7 +283,7 @@ def flash_attention(
     return attend(bound)
 
 
-@jaxtyped(typechecker=beartype)
+@checked(layout=LAYOUT)
 def causal_flash_attention(
     q: Query, k: Key, v: Value, mask: KeyMask | None = None, **kwargs: Any
 ) -> Attended:

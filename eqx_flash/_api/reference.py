@@ -6,12 +6,12 @@ oracle in tests, and to check other attention implementations against.
 
 import jax
 import jax.numpy as jnp
-from beartype import beartype
-from jaxtyping import PRNGKeyArray, jaxtyped
+from jaxtyping import PRNGKeyArray
 
+from .._core.checking import checked
 from .._core.config import stat_dtype
 from .._core.options import Window
-from .._core.shapes import merge_heads, split_heads
+from .._core.shapes import LAYOUT, merge_heads, split_heads
 from .._core.types import (
     AlibiSlopes,
     Attended,
@@ -51,7 +51,7 @@ from .._semantics.softmax import finish, max_score, poison, with_sink
 from .binder import bind
 
 
-@jaxtyped(typechecker=beartype)
+@checked(layout=LAYOUT)
 def plain_attention(
     q: Query,
     k: Key,

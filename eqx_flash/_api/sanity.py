@@ -5,9 +5,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from beartype import beartype
-from jaxtyping import Array, DTypeLike, Float, jaxtyped
+from jaxtyping import Array, DTypeLike, Float
 
+from .._core.checking import checked
 from .._core.config import stat_dtype
 
 
@@ -18,7 +18,7 @@ def split_outputs(result: Any) -> tuple[Array, Array | None]:
     return result, None
 
 
-@jaxtyped(typechecker=beartype)
+@checked()
 def value_and_grad_difference(
     fn1: Callable[..., Any],
     fn2: Callable[..., Any],

@@ -39,8 +39,23 @@ class Shapes:
         return (*self.batch_shape, self.heads) if self.has_heads_axis else ()
 
 
+# Said by every error about q, k and v's shapes: jax.nn's `(batch, seq, heads, dim)`
+# passed here has the right rank and, when the sizes happen to fit, raises nothing.
+LAYOUT = ("Layout: q is (*batch, heads, seq_q, dim), k and v (*batch, kv_heads, seq_k, dim): "
+          "heads before seq. For jax.nn's (batch, seq, heads, dim), call "
+          "eqx_flash.dot_product_attention.")
+
+
 def shapes_of(q: Array, k: Array, v: Array) -> Shapes:
-    """Read the problem's sizes, raising on inconsistent shapes (names and values shown)."""
+    """Read the problem's sizes, raising on inconsistent shapes (names and values shown,
+    then the layout)."""
+    try:
+        return _shapes_of(q, k, v)
+    except ValueError as error:
+        raise ValueError(f"{error}\n{LAYOUT}") from None
+
+
+def _shapes_of(q: Array, k: Array, v: Array) -> Shapes:
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim < 2:
             raise ValueError(

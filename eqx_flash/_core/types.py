@@ -14,13 +14,28 @@ axes bound by a failed alternative, so names still bind consistently across argu
 What a shape string cannot say (`kv_heads` divides `heads`; q and k have the same
 number of axes; mask leading axes broadcast against q's) is checked in `_api.binder`,
 which also runs when jaxtyping's checks are switched off.
+
+Some arguments are checked at the signature more loosely than they are accepted, so that
+an explicit check's message (naming the argument, with the same words at every entry
+point) is the one users see: the static options admit anything there, the lengths and
+positions any dtype. Their annotation carries what is accepted as `Documented` metadata,
+which the API reference shows (`docs/signatures.py`) and type checkers see.
 """
 
+import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Annotated, Any, TypeAlias
 
 import numpy as np
 from jaxtyping import Array, Bool, Float, Integer, Shaped
+
+
+@dataclasses.dataclass(frozen=True)
+class Documented:
+    """`Annotated` metadata: the type an argument is accepted as, where the annotation
+    checked at call time admits more (beartype ignores metadata of this kind)."""
+
+    type: Any
 
 # Public entry points accept NumPy arrays as well as JAX arrays (converted with
 # `jnp.asarray`); they are what users have at hand in notebooks and data loaders.
@@ -49,7 +64,8 @@ PairMask: TypeAlias = (
 # argument in its message for a non-integer one. A scalar length (one per call, as an
 # unbatched call or a module takes) may be a Python or NumPy number too: it has no
 # shape to check.
-Lengths: TypeAlias = Shaped[AnyArray, "..."] | int | float | np.number | np.bool_
+_LengthsChecked: TypeAlias = Shaped[AnyArray, "..."] | int | float | np.number | np.bool_
+Lengths: TypeAlias = Annotated[_LengthsChecked, Documented(Integer[Array, "*batch"] | int)]
 QuerySegmentIds: TypeAlias = Integer[AnyArray, "... seq_q"]
 # Score terms: a float bias broadcastable to `(*batch, heads, seq_q, seq_k)` and ALiBi
 # slopes `(*batch, heads)`; how their leading axes broadcast is checked in `_validation`.
@@ -62,8 +78,10 @@ Sinks: TypeAlias = Float[AnyArray, "..."]
 KeySegmentIds: TypeAlias = Integer[AnyArray, "... seq_k"]
 # Absolute positions `(*batch, [heads,] seq)`: any dtype here, so that `_api.binder`
 # names the argument in its message for a non-integer one.
-QueryPositions: TypeAlias = Shaped[AnyArray, "... seq_q"]
-KeyPositions: TypeAlias = Shaped[AnyArray, "... seq_k"]
+QueryPositions: TypeAlias = Annotated[Shaped[AnyArray, "... seq_q"],
+                                      Documented(Integer[Array, "... seq_q"])]
+KeyPositions: TypeAlias = Annotated[Shaped[AnyArray, "... seq_k"],
+                                    Documented(Integer[Array, "... seq_k"])]
 # `score_mod(score, batch, head, q_idx, kv_idx) -> score` and `mask_mod(batch, head,
 # q_idx, kv_idx) -> bool` (`_mods`): any callable, a PyTree such as an `eqx.Module` too.
 ScoreMod: TypeAlias = Callable[..., Any]
@@ -77,20 +95,32 @@ LSE: TypeAlias = Float[Array, "*batch heads seq_q"] | Float[Array, " seq_q"]
 MaxScores: TypeAlias = LSE
 # `(out, lse)` or `(out, lse, max_scores)`: checked exactly at run time; type checkers see
 # a tuple of arrays, so that both `out, lse = ...` and `out, lse, m = ...` type-check.
+# The API reference shows what type checkers see; the docstrings give the shapes.
 if TYPE_CHECKING:
     Attended: TypeAlias = tuple[Array, ...]
 else:
-    Attended = tuple[Output, LSE] | tuple[Output, LSE, MaxScores]
+    Attended = Annotated[tuple[Output, LSE] | tuple[Output, LSE, MaxScores],
+                         Documented(tuple[Array, ...])]
 
-# The static options. Type checkers see their real types; at run time they admit anything,
-# because `_options.make_options` checks them, with one message per bad value that every
-# entry point shares (a beartype error would otherwise pre-empt it with another message).
+# The static options. Type checkers and the API reference see their real types; at run
+# time they admit anything, because `_options.make_options` checks them, with one message
+# per bad value that every entry point shares (a beartype error would otherwise pre-empt
+# it with another message).
+_Flag = bool
+_RealNumber = float  # an int too (PEP 484's numeric tower; make_options takes both)
+_OptionalReal = float | None
+# The window's sides: an int `w` for `(w, w)`, or `(left, right)`; None is unbounded.
+_WindowLike = int | tuple[int | None, int | None] | None
+_BlockSize = int | None
 if TYPE_CHECKING:
-    Flag: TypeAlias = bool
-    RealNumber: TypeAlias = float | int  # beartype has no int-is-a-float rule: say it
-    OptionalReal: TypeAlias = float | int | None
-    # The window's sides: an int `w` for `(w, w)`, or `(left, right)`; None is unbounded.
-    WindowLike: TypeAlias = int | tuple[int | None, int | None] | None
-    BlockSize: TypeAlias = int | None
+    Flag: TypeAlias = _Flag
+    RealNumber: TypeAlias = _RealNumber
+    OptionalReal: TypeAlias = _OptionalReal
+    WindowLike: TypeAlias = _WindowLike
+    BlockSize: TypeAlias = _BlockSize
 else:
-    Flag = RealNumber = OptionalReal = WindowLike = BlockSize = Any
+    Flag = Annotated[Any, Documented(_Flag)]
+    RealNumber = Annotated[Any, Documented(_RealNumber)]
+    OptionalReal = Annotated[Any, Documented(_OptionalReal)]
+    WindowLike = Annotated[Any, Documented(_WindowLike)]
+    BlockSize = Annotated[Any, Documented(_BlockSize)]

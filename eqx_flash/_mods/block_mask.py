@@ -7,7 +7,7 @@ evaluating the `mask_mod`. Like FlexAttention's `create_block_mask`.
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import equinox as eqx
 import jax
@@ -17,6 +17,7 @@ from jaxtyping import Array, Int8
 from .._core.config import choose_block, default_blocks
 from .._core.options import Window, make_options
 from .._core.shapes import Shapes
+from .._core.types import Documented
 from .._mods.tracing import check_mask_mod
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
@@ -26,7 +27,7 @@ EMPTY, PARTIAL, FULL = 0, 1, 2
 if TYPE_CHECKING:
     BatchShape = tuple[int, ...]
 else:
-    BatchShape = Any
+    BatchShape = Annotated[Any, Documented(tuple[int, ...])]
 
 
 class BlockMask(eqx.Module):

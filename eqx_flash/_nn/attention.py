@@ -3,9 +3,9 @@
 import typing
 
 import equinox as eqx
-from beartype import beartype
-from jaxtyping import Array, Float, PRNGKeyArray, jaxtyped
+from jaxtyping import Array, Float, PRNGKeyArray
 
+from .._core.checking import checked
 from .._core.options import make_options
 from .._core.types import (
     AlibiSlopes,
@@ -24,6 +24,7 @@ from .._core.types import (
 )
 from .._mods.block_mask import BlockMask
 from .module_call import (
+    ONE_EXAMPLE,
     Mask,
     attend_heads,
     check_dropout_p,
@@ -100,7 +101,7 @@ class FlashAttention(eqx.Module):
         make_options(**static_options(self))
         check_dropout_p("dropout_p", self.dropout_p)
 
-    @jaxtyped(typechecker=beartype)
+    @checked(one_example=ONE_EXAMPLE)
     def __call__(
         self,
         q: Float[Array, "heads seq_q dim"],

@@ -16,6 +16,9 @@ from .._api.flash import flash_attention
 from .._core.operands import public_arguments
 from .._core.options import KERNEL_OPTIONS, check_rate
 
+# What a module's shape error says when an array has more axes than one example's.
+ONE_EXAMPLE = "one example — use jax.vmap for a batch"
+
 # `(seq_k,)` key padding, `(seq_q, seq_k)` shared by all heads, or one per head.
 Mask = Bool[Array, "seq_k"] | Bool[Array, "seq_q seq_k"] | Bool[Array, "heads seq_q seq_k"]
 

@@ -8,9 +8,9 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from beartype import beartype
-from jaxtyping import Array, Float, PRNGKeyArray, jaxtyped
+from jaxtyping import Array, Float, PRNGKeyArray
 
+from .._core.checking import checked
 from .._core.options import make_options
 from .._core.types import (
     AlibiSlopes,
@@ -30,6 +30,7 @@ from .._mods.block_mask import BlockMask
 from .cache import KVCache
 from .cache_decoding import decode_with_cache
 from .module_call import (
+    ONE_EXAMPLE,
     DecodeProcessHeads,
     Mask,
     ProcessHeads,
@@ -250,7 +251,7 @@ class FlashMultiheadAttention(eqx.Module):
             is_leaf=lambda x: x is None,
         )
 
-    @jaxtyped(typechecker=beartype)
+    @checked(one_example=ONE_EXAMPLE)
     def __call__(
         self,
         query: Float[Array, "seq_q query_size"],
@@ -364,7 +365,7 @@ class FlashMultiheadAttention(eqx.Module):
         return KVCache.empty(self.num_kv_heads, max_len, self.qk_size, self.vo_size, dtype,
                              window=window)
 
-    @jaxtyped(typechecker=beartype)
+    @checked(one_example=ONE_EXAMPLE)
     def decode(
         self,
         x: Float[Array, "n query_size"],
