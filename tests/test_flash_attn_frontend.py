@@ -323,3 +323,34 @@ def test_flash_attn_varlen_func_is_fa2s_formula_per_sequence(case, per_sequence)
     assert_lse_close(lse, expected_lse)
     for name, g, e in zip(("dq", "dk", "dv", "dslopes"), grads, expected_grads, strict=True):
         assert_close(g, e, kind="grad", name=name)
+
+
+def test_traced_cumulative_lengths_under_jit():
+    """`cu_seqlens` traced under `jax.jit` (#41: a TracerBoolConversionError), with a
+    soft cap and per-head ALiBi: equal to the eager call, gradients too; a buffer padded
+    past the last sequence (`cu[-1] < total`, unchecked when traced) leaves the padding
+    rows at out 0 and lse -inf and changes no real row."""
+    q, k, v, cu_q, cu_k, slopes = _packed(5)
+    kw = dict(causal=True, softcap=3.0, alibi_slopes=slopes, return_attn_probs=True)
+
+    def call(q, k, v, cu_q, cu_k):
+        return eqx_flash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 20, 20, **kw)
+
+    eager = call(q, k, v, cu_q, cu_k)
+    jitted = jax.jit(call)(q, k, v, cu_q, cu_k)
+    assert_close(jitted[0], eager[0])
+    assert_lse_close(jitted[1], eager[1])
+
+    def loss(fn):
+        return jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v, cu_q, cu_k)[0] ** 2),
+                        argnums=(0, 1, 2))(q, k, v)
+
+    for g, e in zip(loss(jax.jit(call)), loss(call), strict=True):
+        assert_close(g, e, kind="grad")
+    pad = 5
+    padded = [jnp.concatenate([x, jnp.full((pad, *x.shape[1:]), jnp.nan)]) for x in (q, k, v)]
+    out, lse, _ = jax.jit(call)(*padded, cu_q, cu_k)
+    assert_close(out[:-pad], eager[0])
+    assert_lse_close(lse[:, :-pad], eager[1])
+    np.testing.assert_array_equal(np.asarray(out[-pad:]), 0.0)
+    assert np.all(np.isneginf(np.asarray(lse[:, -pad:])))

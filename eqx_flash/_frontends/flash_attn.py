@@ -21,10 +21,11 @@ import math
 from typing import Any
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, ArrayLike
 
+from .._api.binder import is_concrete
 from .._api.flash import flash_attention
 from .._core.options import make_options
 from .._core.types import Flag, OptionalReal
@@ -101,7 +102,9 @@ def flash_attn_varlen_func(
     dim)`: the sequences of a batch one after another; `cu_seqlens_q`, `cu_seqlens_k`
     int32 `(batch + 1,)`, the cumulative lengths (starting at 0, ending at `total`),
     traced arrays welcome (under `jax.jit`); `max_seqlen_q`, `max_seqlen_k`: Python ints
-    bounding the lengths (checked when the lengths are concrete). Sequence `b`'s queries
+    bounding the lengths. Concrete lengths are checked; traced ones cannot be (a value
+    check could abort a jitted program), and tokens outside `[cu[0], cu[-1])` (a buffer
+    padded past the last sequence) attend nothing: out 0, lse -inf. Sequence `b`'s queries
     attend only its keys; `causal`, `window_size` and ALiBi (`alibi_slopes` `(heads,)`
     or `(batch, heads)`, after the soft cap) are aligned bottom-right within each
     sequence (query `i` of a sequence of `n_q` queries and `n_k` keys against its key `i
@@ -175,10 +178,9 @@ def _cumulative(name: str, cu: ArrayLike, total: int, max_seqlen: int) -> Array:
                          f"{cu.shape}, {name}.dtype={cu.dtype}")
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 1:
         raise ValueError(f"max_seqlen must be a positive int; got {max_seqlen!r} with {name}")
-    try:
-        concrete = jax.device_get(cu)
-    except jax.errors.ConcretizationTypeError:
+    if not is_concrete(cu):  # traced (under jit): unchecked; see `_Packing.of`
         return cu.astype(jnp.int32)
+    concrete = np.asarray(cu)
     lengths = concrete[1:] - concrete[:-1]
     if concrete[0] != 0 or concrete[-1] != total or (lengths < 0).any():
         raise ValueError(f"{name} must rise from 0 to {total} (the packed length); got "
@@ -191,7 +193,10 @@ def _cumulative(name: str, cu: ArrayLike, total: int, max_seqlen: int) -> Array:
 
 class _Packing(eqx.Module):
     """Each packed query's and key's sequence and position within it, the queries'
-    aligned bottom-right on their sequence's keys (`+ n_k - n_q`)."""
+    aligned bottom-right on their sequence's keys (`+ n_k - n_q`). Tokens outside
+    `[cu[0], cu[-1])` (traced cumulative lengths are not checked: a buffer padded past
+    the last sequence, say) belong to no sequence: different ids for queries and keys,
+    so they attend nothing and nothing attends them."""
 
     q_seq: Array  # (total_q,)
     q_pos: Array
@@ -200,14 +205,17 @@ class _Packing(eqx.Module):
 
     @classmethod
     def of(cls, cu_q: Array, cu_k: Array, total_q: int, total_k: int) -> "_Packing":
-        def locate(cu: Array, total: int) -> tuple[Array, Array]:
+        def locate(cu: Array, total: int, outside: int) -> tuple[Array, Array]:
             index = jnp.arange(total, dtype=jnp.int32)
-            seq = (jnp.searchsorted(cu, index, side="right") - 1).astype(jnp.int32)
-            return seq, index - cu[seq]
+            seq = jnp.clip(jnp.searchsorted(cu, index, side="right") - 1, 0,
+                           cu.shape[0] - 2).astype(jnp.int32)
+            inside = (index >= cu[0]) & (index < cu[-1])
+            return jnp.where(inside, seq, outside), index - cu[seq]
 
-        (q_seq, q_pos), (k_seq, k_pos) = locate(cu_q, total_q), locate(cu_k, total_k)
+        (q_seq, q_pos), (k_seq, k_pos) = (locate(cu_q, total_q, -1),
+                                          locate(cu_k, total_k, -2))
         offset = (cu_k[1:] - cu_k[:-1]) - (cu_q[1:] - cu_q[:-1])
-        return cls(q_seq, q_pos + offset[q_seq], k_seq, k_pos)
+        return cls(q_seq, q_pos + offset[jnp.maximum(q_seq, 0)], k_seq, k_pos)
 
     def at(self, q_idx: Array, kv_idx: Array) -> tuple[Array, Array, Array]:
         """`(query's sequence, query position, key position)` of the pairs; indices past
