@@ -350,56 +350,130 @@ def check_ring_score_terms():
 
 def check_ring_user_shard_map_vma():
     """`ring_flash_attention` inside the user's own `jax.shard_map` with its default
-    `check_vma=True` (#25: a key mask failed to type-check), with every array argument
-    it takes — key mask, segment ids, bias, ALiBi slopes, sinks — causal and not, GQA,
-    on 4 devices: out, lse and the cotangents of q, k, v, bias, slopes and sinks against
-    single-device `flash_attention`."""
+    `check_vma=True` (#25: a key mask failed to type-check; #41: segment ids or
+    positions with chunks of one block), with every array argument it takes, causal
+    and not, GQA, batch 2, on 4 devices: out, lse and the cotangents of q, k, v and
+    the differentiable arrays against single-device `flash_attention`.
+
+    `"index"`: key mask, segment ids, a full bias, per-head ALiBi slopes and sinks,
+    chunks of two blocks. `"positions"`: key mask, segment ids and positions (restarting
+    per document, different per row), a bias broadcast over the rows, per-sequence
+    slopes and sinks `(batch, 1)`, each chunk one block (the schedule's single-block
+    switch on limits that vary over the mesh); not causal is a window on the positions.
+    Also the refusals of what the ring does not take there, by name."""
     n, seq = 4, 64
     mesh = _seq_mesh(n)
     keys = jax.random.split(jax.random.key(2), 8)
     q, k, v = qkv(keys[0], (B, H, seq, D), (B, KH, seq, D))
+    ids_np = np.stack([np.arange(seq) * 3 // seq, np.arange(seq) * 2 // seq])
+    starts = np.stack([np.searchsorted(row, row, side="left") for row in ids_np])
+    positions = jnp.asarray(np.arange(seq)[None] - starts + np.array([[0], [5]]), jnp.int32)
+    ids = jnp.asarray(ids_np, jnp.int32)
     mask = jax.random.uniform(keys[1], (B, seq)) > 0.2
-    ids = jnp.asarray(np.stack([np.arange(seq) * 3 // seq, np.arange(seq) * 2 // seq]), jnp.int32)
-    bias = jax.random.normal(keys[2], (B, H, seq, seq))
-    slopes = jax.random.uniform(keys[3], (H,), minval=0.05, maxval=0.5)
-    sinks = jax.random.normal(keys[4], (H,))
     cot = (jax.random.normal(keys[5], (B, H, seq, D)), jax.random.normal(keys[6], (B, H, seq)))
-    rows, by_key = P(None, None, "seq"), P(None, "seq")
+    rows, by_key, replicated = P(None, None, "seq"), P(None, "seq"), P()
+    cases = {
+        "index": dict(
+            block=8, constants=dict(mask=mask, q_segment_ids=ids, kv_segment_ids=ids),
+            differentiable=dict(bias=jax.random.normal(keys[2], (B, H, seq, seq)),
+                                alibi_slopes=jax.random.uniform(keys[3], (H,), minval=0.05,
+                                                                maxval=0.5),
+                                sinks=jax.random.normal(keys[4], (H,))),
+            specs=dict(bias=P(None, None, "seq", None)), not_causal={}),
+        "positions": dict(
+            block=16, constants=dict(mask=mask, q_segment_ids=ids, kv_segment_ids=ids,
+                                     q_positions=positions, kv_positions=positions),
+            differentiable=dict(bias=jax.random.normal(keys[2], (1, H, 1, seq)),
+                                alibi_slopes=jax.random.uniform(keys[3], (B, H), minval=0.05,
+                                                                maxval=0.5),
+                                sinks=jax.random.normal(keys[4], (B, 1))),
+            specs=dict(bias=replicated), not_causal=dict(window=(10, 3))),
+    }
+    by_key_args = ("mask", "q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions")
     results = {}
-    for causal in (False, True):
-        def local(q, k, v, mask, ids, bias, slopes, sinks, causal=causal):
-            return eqx_flash.ring_flash_attention(
-                q, k, v, mask, axis_name="seq", causal=causal, q_segment_ids=ids,
-                kv_segment_ids=ids, bias=bias, alibi_slopes=slopes, sinks=sinks,
-                block_q=8, block_k=8)
+    for case, spec in cases.items():
+        constants, differentiable = spec["constants"], spec["differentiable"]
+        names = (*constants, *differentiable)
+        in_specs = (rows, rows, rows, *(by_key if a in by_key_args else
+                                        spec["specs"].get(a, replicated) for a in names))
+        for causal in (False, True):
+            options = dict(causal=True) if causal else spec["not_causal"]
 
-        ring = jax.shard_map(  # check_vma=True: jax's default
-            local, mesh=mesh,
-            in_specs=(rows, rows, rows, by_key, by_key, P(None, None, "seq", None), P(), P()),
-            out_specs=(rows, rows))
+            def local(q, k, v, *arrays, options=options, block=spec["block"], names=names):
+                return eqx_flash.ring_flash_attention(
+                    q, k, v, axis_name="seq", block_q=block, block_k=block,
+                    **dict(zip(names, arrays, strict=True)), **options)
 
-        def single(q, k, v, mask, ids, bias, slopes, sinks, causal=causal):
-            return eqx_flash.flash_attention(
-                q, k, v, mask, causal=causal, q_segment_ids=ids, kv_segment_ids=ids,
-                bias=bias, alibi_slopes=slopes, sinks=sinks)
+            ring = jax.shard_map(local, mesh=mesh, in_specs=in_specs,  # check_vma=True
+                                 out_specs=(rows, rows))
 
-        def value_and_vjp(fn):
-            def diff(q, k, v, bias, slopes, sinks):
-                return fn(q, k, v, mask, ids, bias, slopes, sinks)
+            def single(q, k, v, *arrays, options=options, names=names):
+                return eqx_flash.flash_attention(
+                    q, k, v, **dict(zip(names, arrays, strict=True)), **options)
 
-            out, pull = jax.vjp(diff, q, k, v, bias, slopes, sinks)
-            return (*out, *pull(cot))
+            def value_and_vjp(fn, constants=constants, differentiable=differentiable):
+                def diff(q, k, v, *d):
+                    return fn(q, k, v, *constants.values(), *d)
 
-        expected = jax.jit(lambda: value_and_vjp(single))()
-        got = jax.jit(lambda ring=ring: value_and_vjp(ring))()
-        names = ("out", "lse", "dq", "dk", "dv", "dbias", "dslopes", "dsinks")
-        for name, a, b in zip(names, expected, got, strict=True):
-            a, b = np.asarray(a), np.asarray(b)
-            ok = np.array_equal(np.isneginf(a), np.isneginf(b)) and not np.any(np.isnan(b))
-            finite = np.isfinite(a)
-            scale = max(1.0, float(np.max(np.abs(a[finite]), initial=0.0)))
-            err = float(np.max(np.abs(a[finite] - b[finite]), initial=0.0)) / scale
-            results[f"{'causal' if causal else 'full'}_{name}"] = err if ok else float("inf")
+                out, pull = jax.vjp(diff, q, k, v, *differentiable.values())
+                return (*out, *pull(cot))
+
+            expected = jax.jit(lambda single=single: value_and_vjp(single))()
+            got = jax.jit(lambda ring=ring: value_and_vjp(ring))()
+            outputs = ("out", "lse", "dq", "dk", "dv", *(f"d{a}" for a in differentiable))
+            for name, error in zip(outputs, _max_errors(expected, got), strict=True):
+                results[f"{case}_{'causal' if causal else 'full'}_{name}"] = error
+
+    def refusal(**arguments):
+        def local(q, k, v):
+            return eqx_flash.ring_flash_attention(q, k, v, axis_name="seq", **arguments)
+
+        try:
+            jax.shard_map(local, mesh=mesh, in_specs=(rows,) * 3, out_specs=(rows, rows))(
+                q, k, v)
+        except (NotImplementedError, TypeError) as e:
+            return f"{type(e).__name__}: {e}"
+        return ""
+
+    results["refused_kv_lengths"] = refusal(kv_lengths=jnp.array([9, 8]))
+    results["refused_score_mod"] = refusal(score_mod=lambda s, b, h, i, j: s)
+    results["refused_attn_mask"] = refusal(attn_mask=jnp.ones((seq // n, seq), bool))
+    results["refused_dropout"] = refusal(dropout_rate=0.1, key=jax.random.key(0))
+    return results
+
+
+def check_flash_in_user_shard_map():
+    """`flash_attention` on each device's shard of the batch inside the user's own
+    `jax.shard_map` (data parallel, `check_vma=True`), two sequences per device, with
+    every per-call array at once (key mask, dense mask, segment ids, positions,
+    lengths, bias, ALiBi slopes, sinks), causal and windowed, one block per sequence
+    (#41: the schedule's single-block switch on limits that vary over the mesh failed
+    to type-check): values, gradients, jvp and HVP against the unsharded call."""
+    batch, seq = 8, 16
+    mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
+    keys = jax.random.split(jax.random.key(8), 8)
+    q, k, v = qkv(keys[0], (batch, H, seq, D), (batch, KH, seq, D))
+    ids = jnp.asarray(np.arange(seq)[None].repeat(batch, 0) * 2 // seq, jnp.int32)
+    positions = jnp.asarray(np.arange(seq)[None] + 3 * np.arange(batch)[:, None], jnp.int32)
+    arrays = dict(
+        mask=jax.random.uniform(keys[1], (batch, seq)) > 0.2,
+        attn_mask=jax.random.uniform(keys[2], (batch, 1, seq, seq)) > 0.1,
+        q_segment_ids=ids, kv_segment_ids=ids, q_positions=positions, kv_positions=positions,
+        q_lengths=jnp.array([16, 12, 9, 16] * 2), kv_lengths=jnp.array([16, 14, 9, 5] * 2),
+        bias=jax.random.normal(keys[3], (batch, H, seq, seq)),
+        alibi_slopes=jax.random.uniform(keys[4], (batch, H), minval=0.05, maxval=0.5),
+        sinks=jax.random.normal(keys[5], (batch, H)))
+    results = {}
+    for name, options in (("causal", dict(causal=True)), ("window", dict(window=(5, 2)))):
+        def attention(q, k, v, *values, options=options):
+            return eqx_flash.flash_attention(q, k, v, block_q=seq, block_k=seq, **options,
+                                             **dict(zip(arrays, values, strict=True)))
+
+        mapped = jax.shard_map(attention, mesh=mesh, in_specs=(P("data"),) * (3 + len(arrays)),
+                               out_specs=(P("data"), P("data")))  # check_vma=True
+        results.update(_derivative_errors(
+            name, lambda q, k, v, attention=attention: attention(q, k, v, *arrays.values()),
+            lambda q, k, v, mapped=mapped: mapped(q, k, v, *arrays.values()), q, k, v))
     return results
 
 
@@ -513,9 +587,9 @@ def check_ring_forward_mode():
     """jax.jvp through the ring (#25) on 4 devices against the single-device jvp:
     `sharded_flash_attention` (zigzag causal and contiguous full; GQA, key mask, segment
     ids, kv_lengths, bias, ALiBi, sinks; tangents along q, k, v, bias, slopes, sinks),
-    `ring_flash_attention` inside a user's shard_map with check_vma=True, and the
-    sCM/MeanFlow pattern (grad of a loss on the jvp's primal, stop_gradient on a target
-    built from its tangent)."""
+    `ring_flash_attention` inside a user's shard_map with check_vma=True (key mask,
+    segment ids, positions, chunks of one block), and the sCM/MeanFlow pattern (grad of
+    a loss on the jvp's primal, stop_gradient on a target built from its tangent)."""
     seq = 64
     mesh = _seq_mesh(4)
     keys = jax.random.split(jax.random.key(4), 12)
@@ -558,21 +632,25 @@ def check_ring_forward_mode():
         results[name] = max(_max_errors(expected, got))
 
     rows = P(None, None, "seq")
+    # Positions per row, each chunk one block: the run-time limits vary over the mesh.
+    positions = jnp.asarray(np.arange(seq)[None] + np.array([[0], [7]]), jnp.int32)
 
-    def local(q, k, v, mask, ids):
+    def local(q, k, v, mask, ids, positions):
         return eqx_flash.ring_flash_attention(q, k, v, mask, axis_name="seq", causal=True,
                                               q_segment_ids=ids, kv_segment_ids=ids,
-                                              block_q=8, block_k=8)
+                                              q_positions=positions, kv_positions=positions,
+                                              block_q=16, block_k=16)
 
-    ring = jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, P(None, "seq"),
-                                                     P(None, "seq")), out_specs=(rows, rows))
+    ring = jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, *[P(None, "seq")] * 3),
+                         out_specs=(rows, rows))
 
     def user_ring(q, k, v):
-        return ring(q, k, v, mask, ids)
+        return ring(q, k, v, mask, ids, positions)
 
     def user_single(q, k, v):
         return eqx_flash.flash_attention(q, k, v, mask, causal=True, q_segment_ids=ids,
-                                         kv_segment_ids=ids)
+                                         kv_segment_ids=ids, q_positions=positions,
+                                         kv_positions=positions)
 
     expected = jax.jit(lambda: jax.jvp(user_single, primals[:3], tangents[:3]))()
     got = jax.jit(lambda: jax.jvp(user_ring, primals[:3], tangents[:3]))()
@@ -765,22 +843,19 @@ def check_max_scores():
                                                 q_lengths=lengths, kv_lengths=lengths, **common)
     result["sharded_lengths"] = _max_diff((got,), (expected_len,))
     seq = P(None, None, "seq")
-    # (A key mask under check_vma=True on several devices fails inside jax's
-    # dynamic_slice, with or without max scores: a known limitation; so no mask there.)
-    for check_vma, key_mask in ((False, mask), (True, None)):
-        def local(q, k, v, *m):
-            return eqx_flash.ring_flash_attention(q, k, v, *m, axis_name="seq", causal=True,
+    # The ring in a shard_map, with a key mask, under check_vma=True (the default) too.
+    *_, expected_ring = eqx_flash.flash_attention(q, k, v, mask, causal=True, block_q=16,
+                                                  block_k=16, return_max_scores=True)
+    for check_vma in (False, True):
+        def local(q, k, v, m):
+            return eqx_flash.ring_flash_attention(q, k, v, m, axis_name="seq", causal=True,
                                                   block_q=16, block_k=16,
                                                   return_max_scores=True)
 
-        given = () if key_mask is None else (key_mask,)
         ring = jax.jit(jax.shard_map(
-            local, mesh=mesh, in_specs=(seq, seq, seq, *(P(None, "seq") for _ in given)),
+            local, mesh=mesh, in_specs=(seq, seq, seq, P(None, "seq")),
             out_specs=(seq, seq, seq), check_vma=check_vma))
-        *_, expected_ring = eqx_flash.flash_attention(q, k, v, key_mask, causal=True,
-                                                      block_q=16, block_k=16,
-                                                      return_max_scores=True)
-        result[f"ring_check_vma_{check_vma}"] = _max_diff((ring(q, k, v, *given)[2],),
+        result[f"ring_check_vma_{check_vma}"] = _max_diff((ring(q, k, v, mask)[2],),
                                                           (expected_ring,))
     result["rows_without_keys"] = int(np.sum(np.isneginf(np.asarray(expected_len))))
     return result

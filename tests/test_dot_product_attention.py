@@ -117,6 +117,30 @@ def test_unbatched_and_jit():
     assert_close(lse, ref_lse, kind="lse")
 
 
+def test_numpy_bool_causal_and_a_traced_scale_as_jax_nn_takes_them():
+    """`is_causal=np.bool_(True)` and a `scale` traced under `jit` (a learned
+    temperature), both of which jax.nn takes (#41: a TypeError each): values and the
+    gradients of q, k, v and the scale against `jax.nn.dot_product_attention`'s."""
+    q, k, v, _ = _inputs(12, 20)
+    out = eqx_flash.dot_product_attention(q, k, v, is_causal=np.bool_(True))
+    assert_close(out, jax.nn.dot_product_attention(q, k, v, is_causal=np.bool_(True)))
+    weights = jax.random.normal(jax.random.key(4), q.shape)
+
+    def loss(fn, q, k, v, log_temperature):
+        return jnp.sum(fn(q, k, v, scale=jnp.exp(log_temperature), is_causal=True) * weights)
+
+    args = (q, k, v, jnp.float32(-1.3))
+    ours = jax.jit(jax.value_and_grad(functools.partial(loss, eqx_flash.dot_product_attention),
+                                      argnums=(0, 1, 2, 3)))(*args)
+    theirs = jax.jit(jax.value_and_grad(functools.partial(loss, jax.nn.dot_product_attention),
+                                        argnums=(0, 1, 2, 3)))(*args)
+    assert_close(ours[0], theirs[0])
+    for name, g, e in zip(("dq", "dk", "dv", "dscale"), ours[1], theirs[1], strict=True):
+        assert_close(g, e, kind="grad", name=name)
+    with pytest.raises(TypeError, match="scale must be a real scalar"):
+        jax.jit(lambda s: eqx_flash.dot_product_attention(q, k, v, scale=s))(jnp.ones(2))
+
+
 def test_implementation_hands_over_to_jax_nn():
     q, k, v, _ = _inputs(16, 16)
     got = eqx_flash.dot_product_attention(q, k, v, is_causal=True, implementation="xla")

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, assert_lse_close
+from helpers import assert_close, assert_lse_close, enable_x64
 
 import eqx_flash
 
@@ -20,7 +20,7 @@ OPTIONS = {
     "causal": dict(causal=True),
     "window": dict(window_size=(3, 2)),
     "causal_window": dict(causal=True, window_size=(4, -1)),
-    "alibi_softcap": dict(causal=True, softcap=3.0, alibi=True),
+    "alibi": dict(causal=True, alibi=True),
     "scale": dict(softmax_scale=0.3),
 }
 
@@ -119,11 +119,11 @@ def test_flash_attn_func_is_flash_attention_in_fa2_layout():
     q = jax.random.normal(keys[0], (2, 24, HEADS, DIM))
     k, v = (jax.random.normal(keys[i], (2, 40, KV_HEADS, DIM)) for i in (1, 2))
     slopes = jax.random.uniform(keys[3], (2, HEADS))
+    # (A soft cap with ALiBi is FA2's order, not flash_attention's: `FA2_CASES` below.)
     out, lse, _ = eqx_flash.flash_attn_func(q, k, v, causal=True, window_size=(8, -1),
-                                            softcap=5.0, alibi_slopes=slopes,
-                                            return_attn_probs=True)
+                                            alibi_slopes=slopes, return_attn_probs=True)
     ref, ref_lse = eqx_flash.flash_attention(
-        *(jnp.swapaxes(x, 1, 2) for x in (q, k, v)), causal=True, window=(8, 0), softcap=5.0,
+        *(jnp.swapaxes(x, 1, 2) for x in (q, k, v)), causal=True, window=(8, 0),
         alibi_slopes=slopes)
     assert_close(out, jnp.swapaxes(ref, 1, 2))
     assert_lse_close(lse, ref_lse)
@@ -168,3 +168,189 @@ def test_no_block_is_spent_across_sequences(monkeypatch):
         *(jnp.swapaxes(x, 0, 1),) * 3, causal=True, block_q=block_q,
         block_k=block_k))["forward"]
     assert 0 < varlen < whole, (varlen, whole)
+
+
+def _fa2_formula(xp, q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, slopes=None,
+                 scale=None):
+    """FlashAttention-2's attention as its docs and test reference state it, written out
+    here (NumPy, or jax.numpy for gradients) on `(batch, seqlen, heads, dim)`: scores
+    `softcap * tanh(scale * q.k / softcap)`, THEN `- slope * |i + seqlen_k - seqlen_q -
+    j|` (ALiBi after the cap), then the bottom-right causal/window masks; `(out, lse)`,
+    the lse `(batch, heads, seqlen_q)`; a row with no key gets out 0 and lse -inf
+    (eqx_flash's convention; FA2's kernel writes +inf there)."""
+    groups = q.shape[2] // k.shape[2]
+    k, v = xp.repeat(k, groups, axis=2), xp.repeat(v, groups, axis=2)
+    scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
+    s = xp.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if softcap:
+        s = softcap * xp.tanh(s / softcap)
+    sq, sk = q.shape[1], k.shape[1]
+    i = (np.arange(sq)[:, None] + sk - sq)[None, None]  # its key, bottom-right aligned
+    j = np.arange(sk)[None, None, None, :]
+    if slopes is not None:
+        slopes = xp.broadcast_to(slopes, (q.shape[0], q.shape[2]))
+        s = s - slopes[:, :, None, None] * np.abs(i - j).astype(np.float64)
+    left, right = window
+    if causal:
+        right = 0
+    allowed = np.ones((1, 1, sq, sk), bool)
+    if left >= 0:
+        allowed &= j >= i - left
+    if right >= 0:
+        allowed &= j <= i + right
+    s = xp.where(allowed, s, -np.inf)
+    top = xp.max(s, axis=-1, keepdims=True)
+    top = xp.where(allowed.any(-1, keepdims=True), top, 0.0)
+    e = xp.exp(s - top)
+    total = xp.sum(e, axis=-1, keepdims=True)
+    out = xp.einsum("bhqk,bkhd->bqhd", e / xp.where(total > 0, total, 1.0), v)
+    with np.errstate(divide="ignore"):  # a row with no key: out 0, lse -inf
+        return out, (xp.log(total) + top)[..., 0]
+
+
+FA2_CASES = {
+    "softcap_alibi": dict(softcap=2.0, alibi=True),
+    "softcap_alibi_causal": dict(softcap=2.0, alibi=True, causal=True),
+    "softcap_alibi_window": dict(softcap=1.5, alibi=True, window=(5, 3), scale=0.4),
+    "softcap_only": dict(softcap=2.0, causal=True),
+    "alibi_only": dict(alibi=True, window=(4, -1)),
+}
+
+
+def _fa2_inputs(case, per_batch, seed=3, batch=2, sq=12, sk=20):
+    keys = jax.random.split(jax.random.key(seed), 5)
+    q = 2 * jax.random.normal(keys[0], (batch, sq, HEADS, DIM))
+    k, v = (2 * jax.random.normal(x, (batch, sk, KV_HEADS, DIM)) for x in keys[1:3])
+    options = dict(FA2_CASES[case])
+    slopes = None
+    if options.pop("alibi", False):
+        slopes = jax.random.uniform(keys[3], (batch, HEADS) if per_batch else (HEADS,),
+                                    minval=0.1, maxval=1.0)
+    return (q, k, v), slopes, options
+
+
+def _fa2_kw(options, slopes):
+    kw = {("window_size" if n == "window" else "softmax_scale" if n == "scale" else n): x
+          for n, x in options.items()}
+    return kw | ({} if slopes is None else {"alibi_slopes": slopes})
+
+
+def _expected_and_grads(qkv, slopes, options, weights):
+    """The float64 formula's `(out, lse)` and the gradients of `sum(out * weights)` along
+    q, k, v and the slopes."""
+    with enable_x64():
+        wide = [jnp.asarray(np.asarray(x), jnp.float64) for x in qkv]
+        wide_slopes = None if slopes is None else jnp.asarray(np.asarray(slopes), jnp.float64)
+        out, lse = _fa2_formula(np, *(np.asarray(x) for x in wide), slopes=None if slopes is
+                                None else np.asarray(wide_slopes), **options)
+
+        def loss(q, k, v, s):
+            o, _ = _fa2_formula(jnp, q, k, v, slopes=s, **options)
+            return jnp.sum(o * jnp.asarray(np.asarray(weights), jnp.float64))
+
+        grads = jax.grad(loss, argnums=(0, 1, 2, 3) if slopes is not None else (0, 1, 2))(
+            *wide, wide_slopes)
+        return out, lse, [np.asarray(g) for g in grads]
+
+
+@pytest.mark.parametrize("case, per_batch", [
+    *((case, False) for case in FA2_CASES), ("softcap_alibi", True),
+    ("softcap_alibi_causal", True)])
+def test_flash_attn_func_is_fa2s_formula(case, per_batch):
+    """`flash_attn_func` against FA2's own order of operations, written out in float64:
+    ALiBi after the soft cap (#41: it was added before the cap, off by up to 2);
+    values, lse and the gradients of q, k, v and the slopes."""
+    qkv, slopes, options = _fa2_inputs(case, per_batch)
+    weights = jax.random.normal(jax.random.key(11), qkv[0].shape)
+    kw = _fa2_kw(options, slopes)
+    out, lse, _ = eqx_flash.flash_attn_func(*qkv, return_attn_probs=True, **kw)
+    expected_out, expected_lse, expected_grads = _expected_and_grads(qkv, slopes, options,
+                                                                     weights)
+    assert_close(out, expected_out)
+    assert_lse_close(lse, expected_lse)
+    args = (*qkv, *(() if slopes is None else (slopes,)))
+
+    def loss(q, k, v, *s):
+        extra = {} if not s else {"alibi_slopes": s[0]}
+        return jnp.sum(eqx_flash.flash_attn_func(q, k, v, **(kw | extra)) * weights)
+
+    grads = jax.grad(loss, argnums=tuple(range(len(args))))(*args)
+    names = ("dq", "dk", "dv", "dslopes")[:len(args)]
+    for name, g, e in zip(names, grads, expected_grads, strict=True):
+        assert_close(g, e, kind="grad", name=name)
+
+
+@pytest.mark.parametrize("per_sequence", [False, True])
+@pytest.mark.parametrize("case", ["softcap_alibi_causal", "softcap_alibi_window"])
+def test_flash_attn_varlen_func_is_fa2s_formula_per_sequence(case, per_sequence):
+    """`flash_attn_varlen_func` with a soft cap and ALiBi (per head and per sequence)
+    against FA2's formula on each sequence alone, float64 (#41): values, lse and the
+    gradients of q, k, v and the slopes."""
+    q, k, v, cu_q, cu_k, _ = _packed(4)
+    q, k, v = 2 * q, 2 * k, 2 * v
+    options = {n: x for n, x in FA2_CASES[case].items() if n != "alibi"}
+    shape = (len(SEQUENCES), HEADS) if per_sequence else (HEADS,)
+    slopes = jax.random.uniform(jax.random.key(12), shape, minval=0.1, maxval=1.0)
+    weights = jax.random.normal(jax.random.key(13), q.shape)
+    kw = {n: x for n, x in _fa2_kw(options, None).items()}
+
+    def packed(q, k, v, slopes):
+        return eqx_flash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 20, 20, alibi_slopes=slopes,
+                                                return_attn_probs=True, **kw)
+
+    def formula(xp, q, k, v, slopes):
+        """Each sequence alone through `_fa2_formula`, packed back."""
+        outs, lses = [], []
+        for b, (nq, nk) in enumerate(SEQUENCES):
+            a, c = int(cu_q[b]), int(cu_k[b])
+            own = slopes[b] if per_sequence else slopes
+            o, lse = _fa2_formula(xp, q[None, a:a + nq], k[None, c:c + nk], v[None, c:c + nk],
+                                  slopes=own, **options)
+            outs.append(o[0])
+            lses.append(lse[0])
+        return xp.concatenate(outs), xp.concatenate(lses, axis=-1)
+
+    out, lse, _ = packed(q, k, v, slopes)
+    grads = jax.grad(lambda *a: jnp.sum(packed(*a)[0] * weights), argnums=(0, 1, 2, 3))(
+        q, k, v, slopes)
+    with enable_x64():
+        wide = [jnp.asarray(np.asarray(x), jnp.float64) for x in (q, k, v, slopes, weights)]
+        expected_out, expected_lse = formula(np, *(np.asarray(x) for x in wide[:4]))
+        expected_grads = jax.grad(
+            lambda *a: jnp.sum(formula(jnp, *a)[0] * wide[4]), argnums=(0, 1, 2, 3))(*wide[:4])
+        expected_grads = [np.asarray(g) for g in expected_grads]
+    assert_close(out, expected_out)
+    assert_lse_close(lse, expected_lse)
+    for name, g, e in zip(("dq", "dk", "dv", "dslopes"), grads, expected_grads, strict=True):
+        assert_close(g, e, kind="grad", name=name)
+
+
+def test_traced_cumulative_lengths_under_jit():
+    """`cu_seqlens` traced under `jax.jit` (#41: a TracerBoolConversionError), with a
+    soft cap and per-head ALiBi: equal to the eager call, gradients too; a buffer padded
+    past the last sequence (`cu[-1] < total`, unchecked when traced) leaves the padding
+    rows at out 0 and lse -inf and changes no real row."""
+    q, k, v, cu_q, cu_k, slopes = _packed(5)
+    kw = dict(causal=True, softcap=3.0, alibi_slopes=slopes, return_attn_probs=True)
+
+    def call(q, k, v, cu_q, cu_k):
+        return eqx_flash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 20, 20, **kw)
+
+    eager = call(q, k, v, cu_q, cu_k)
+    jitted = jax.jit(call)(q, k, v, cu_q, cu_k)
+    assert_close(jitted[0], eager[0])
+    assert_lse_close(jitted[1], eager[1])
+
+    def loss(fn):
+        return jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v, cu_q, cu_k)[0] ** 2),
+                        argnums=(0, 1, 2))(q, k, v)
+
+    for g, e in zip(loss(jax.jit(call)), loss(call), strict=True):
+        assert_close(g, e, kind="grad")
+    pad = 5
+    padded = [jnp.concatenate([x, jnp.full((pad, *x.shape[1:]), jnp.nan)]) for x in (q, k, v)]
+    out, lse, _ = jax.jit(call)(*padded, cu_q, cu_k)
+    assert_close(out[:-pad], eager[0])
+    assert_lse_close(lse[:, :-pad], eager[1])
+    np.testing.assert_array_equal(np.asarray(out[-pad:]), 0.0)
+    assert np.all(np.isneginf(np.asarray(lse[:, -pad:])))

@@ -91,3 +91,35 @@ def test_derivatives_through_the_parts_match_the_whole_in_float64():
 def test_bad_inputs_name_the_argument(outs, lses, match):
     with pytest.raises((TypeError, ValueError), match=match):
         eqx_flash.merge_attention(outs, lses)
+
+
+def test_an_empty_part_with_nonfinite_out_contributes_nothing():
+    """A part with lse -inf contributes nothing whatever its out holds (#41: NaN or inf
+    there made every row NaN, weight 0 times NaN): values, gradients and tangents as
+    without it, zero cotangent to the empty part's out."""
+    q, k, v = qkv(4, (1, 2, 6, 8), (1, 2, 12, 8))
+    outs, lses = _parts(q, k, v, (6,))
+    expected = eqx_flash.merge_attention(outs, lses)
+    for poison in (jnp.nan, jnp.inf, -jnp.inf):
+        # A third part: rows 0-2 empty with garbage out, rows 3-5 empty too.
+        junk = jnp.full(outs.shape[1:], poison).at[..., 3:, :].set(1e30)
+        all_outs = jnp.concatenate([outs, junk[None]])
+        all_lses = jnp.concatenate([lses, jnp.full(lses.shape[1:], -jnp.inf)[None]])
+        out, lse = eqx_flash.merge_attention(all_outs, all_lses)
+        assert_close(out, expected[0])
+        assert_lse_close(lse, expected[1])
+
+        def loss(o, s):
+            out, lse = eqx_flash.merge_attention(o, s)
+            return jnp.sum(out ** 2) + jnp.sum(lse)
+
+        d_outs, d_lses = jax.grad(loss, argnums=(0, 1))(all_outs, all_lses)
+        e_outs, e_lses = jax.grad(loss, argnums=(0, 1))(outs, lses)
+        assert_close(d_outs[:2], e_outs, kind="grad")
+        assert_close(d_lses[:2], e_lses, kind="grad")
+        np.testing.assert_array_equal(np.asarray(d_outs[2]), 0.0)
+        np.testing.assert_array_equal(np.asarray(d_lses[2]), 0.0)
+        tangent = jax.jvp(eqx_flash.merge_attention, (all_outs, all_lses),
+                          (jnp.ones_like(all_outs), jnp.zeros_like(all_lses)))[1]
+        assert_close(tangent[0], jax.jvp(eqx_flash.merge_attention, (outs, lses),
+                                         (jnp.ones_like(outs), jnp.zeros_like(lses)))[1][0])

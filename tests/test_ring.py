@@ -436,9 +436,31 @@ def test_score_terms_on_the_ring_errors():
 @pytest.mark.multidevice
 def test_ring_in_a_user_shard_map_with_check_vma():
     """Every array argument of ring_flash_attention inside the user's shard_map under
-    check_vma=True (a key mask failed there, #25), forward and backward."""
+    check_vma=True (a key mask failed there, #25; segment ids or positions with chunks
+    of one block, #41), causal and not, forward and backward; what the ring does not
+    take is refused by name."""
     result = multidevice("ring_user_shard_map_vma")
-    assert len(result) == 16, result
+    refused = {name: result.pop(name) for name in list(result) if name.startswith("refused")}
+    differentiable = ("bias", "alibi_slopes", "sinks")
+    for case in ("index", "positions"):
+        for mode in ("full", "causal"):
+            for name in ("out", "lse", "dq", "dk", "dv", *(f"d{a}" for a in differentiable)):
+                assert result.pop(f"{case}_{mode}_{name}") < TOL, (case, mode, name)
+    assert not result, result
+    assert "does not support kv_lengths" in refused["refused_kv_lengths"], refused
+    assert "score_mod/mask_mod only inside" in refused["refused_score_mod"], refused
+    for name in ("attn_mask", "dropout"):
+        assert refused[f"refused_{name}"].startswith("TypeError") and name in refused[
+            f"refused_{name}"], refused
+
+
+@pytest.mark.multidevice
+def test_flash_attention_in_a_user_data_parallel_shard_map():
+    """`flash_attention` on batch shards inside the user's shard_map (check_vma=True),
+    every per-call array at once, one block per sequence (#41): values, gradients, jvp
+    and HVP equal the unsharded call's."""
+    result = multidevice("flash_in_user_shard_map")
+    assert len(result) == 8, result
     for name, err in result.items():
         assert err < TOL, (name, result)
 

@@ -117,13 +117,47 @@ def test_sink_gradient_keeps_its_shape_and_dtype_and_broadcasts():
 
 
 @pytest.mark.parametrize("sinks, match", [
-    (jnp.zeros((H + 1,)), "sinks"), (jnp.zeros((3, H)), "sinks"),
-    (jnp.zeros((H,), jnp.int32), "sinks"), (jnp.zeros(()), "sinks"),
+    (jnp.zeros((H + 1,)), r"broadcastable to \(\*batch, heads\) = \(2, 4\); got "
+                          r"sinks.shape=\(5,\)"),
+    (jnp.zeros((3, H)), r"sinks.shape=\(3, 4\)"), (jnp.zeros((B, 3)), r"sinks.shape=\(2, 3\)"),
+    (jnp.zeros((1, B, H)), r"sinks.shape=\(1, 2, 4\)"),
+    (jnp.zeros((H,), jnp.int32), "sinks"),
 ])
 def test_bad_sinks_name_the_argument(sinks, match):
     q, k, v, _ = _inputs()
     with pytest.raises((TypeError, ValueError), match=match):
         eqx_flash.flash_attention(q, k, v, sinks=sinks)
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (B, 1), (1, H)])
+def test_sinks_broadcastable_to_batch_heads_are_taken(shape):
+    """Every shape broadcastable to `(*batch, heads)` (as documented): `()`, `(1,)` and
+    `(batch, 1)` were refused (#41) with a message contradicting itself; values against
+    the float64 reference, the cotangent in the sinks' own shape."""
+    q, k, v, _ = _inputs(8)
+    sinks = jnp.asarray(np.random.default_rng(8).standard_normal(shape), jnp.float32)
+    expected_out, expected_lse = _reference(q, k, v, sinks, causal=True)
+    for fn in (eqx_flash.flash_attention, eqx_flash.plain_attention):
+        out, lse = fn(q, k, v, causal=True, sinks=sinks)
+        assert_close(out, expected_out)
+        assert_lse_close(lse, expected_lse)
+        grad = jax.grad(lambda s, fn=fn: fn(q, k, v, causal=True, sinks=s)[1].sum())(sinks)
+        assert grad.shape == shape
+        # d sum(lse) / d sink = sum over the rows it joins of exp(sink - lse)
+        weight = np.exp(np.broadcast_to(np.asarray(sinks, np.float64)[..., None],
+                                        (B, H, SQ)) - expected_lse)
+        np.testing.assert_allclose(np.asarray(grad).sum(), weight.sum(), rtol=1e-4)
+
+
+def test_alibi_slopes_shape_error_does_not_contradict_itself():
+    """ALiBi slopes need the heads axis whole, and the message says so (a `(batch, 1)`
+    slope array is broadcastable to `(batch, heads)`, so "broadcastable" must not be the
+    stated rule)."""
+    q, k, v, _ = _inputs()
+    with pytest.raises(ValueError, match=r"alibi_slopes must have shape \(heads,\) or "
+                                         r"\(\*batch, heads\) with heads = 4.*got "
+                                         r"alibi_slopes.shape=\(2, 1\)"):
+        eqx_flash.flash_attention(q, k, v, alibi_slopes=jnp.ones((B, 1)))
 
 
 def test_split_k_decode_path_uses_the_sink():
@@ -200,3 +234,30 @@ def test_ring_and_sharded_count_the_sink_once():
     flash_grad = jax.grad(loss(lambda q, k, v, s: eqx_flash.flash_attention(
         q, k, v, causal=True, sinks=s)))(sinks)
     assert_close(jax.grad(loss(mapped))(sinks), flash_grad, kind="grad")
+
+
+def test_broadcast_sinks_on_the_ring_strategies_and_modules():
+    """A scalar sink on the ring (one-device `shard_map`), every strategy of
+    `sharded_flash_attention` and the `FlashAttention` module: as `flash_attention`'s
+    (the 4-device check `ring_user_shard_map_vma` takes `(batch, 1)` on the ring)."""
+    from jax.sharding import Mesh, PartitionSpec
+
+    q, k, v, _ = _inputs(9)
+    q, k, v = q[..., :16, :], k[..., :16, :], v[..., :16, :]
+    sinks = jnp.float32(0.7)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("seq",))
+    seq = PartitionSpec(None, None, "seq")
+    expected = eqx_flash.flash_attention(q, k, v, causal=True, sinks=sinks)
+    ring = jax.shard_map(
+        lambda q, k, v, s: eqx_flash.ring_flash_attention(q, k, v, axis_name="seq",
+                                                          causal=True, sinks=s),
+        mesh=mesh, in_specs=(seq, seq, seq, PartitionSpec()), out_specs=(seq, seq))
+    got = [ring(q, k, v, sinks)]
+    got += [eqx_flash.sharded_flash_attention(q, k, v, mesh=mesh, seq_axis="seq", causal=True,
+                                              sinks=sinks, strategy=strategy)
+            for strategy in ("ring", "ulysses", "all_gather")]
+    module = eqx_flash.FlashAttention(causal=True)
+    got.append((jax.vmap(lambda q, k, v: module(q, k, v, sinks=sinks))(q, k, v), expected[1]))
+    for out, lse in got:
+        assert_close(out, expected[0])
+        assert_lse_close(lse, expected[1])

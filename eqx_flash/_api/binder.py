@@ -171,16 +171,27 @@ def _float_pairs(name: str, x: ArrayLike, shapes: Shapes) -> Array:
 
 
 def _per_head(name: str, x: ArrayLike, shapes: Shapes) -> Array:
-    """`(heads,)` or `(*batch, heads)`, broadcastable to q's leading axes."""
+    """`(heads,)` or `(*batch, heads)`, the leading axes broadcastable to q's."""
+    return _head_values(name, x, shapes, broadcast_heads=False)
+
+
+def _broadcast_per_head(name: str, x: ArrayLike, shapes: Shapes) -> Array:
+    """Broadcastable to `(*batch, heads)`: `()`, `(1,)`, `(heads,)`, `(batch, 1)`, ..."""
+    return _head_values(name, x, shapes, broadcast_heads=True)
+
+
+def _head_values(name: str, x: ArrayLike, shapes: Shapes, broadcast_heads: bool) -> Array:
     arr = as_float_array(name, x)
     lead = shapes.lead_shape if shapes.has_heads_axis else (1,)
-    if arr.ndim == 0 or arr.ndim > len(lead) or any(
-        a not in (1, b) for a, b in zip(arr.shape[::-1], lead[::-1], strict=False)
-    ) or arr.shape[-1] != lead[-1]:
-        raise ValueError(
-            f"{name} must have shape (heads,) or (*batch, heads) broadcastable to {lead}; "
-            f"got {name}.shape={arr.shape}"
-        )
+    fits = arr.ndim <= len(lead) and all(
+        a in (1, b) for a, b in zip(arr.shape[::-1], lead[::-1], strict=False))
+    if not broadcast_heads:  # the heads axis itself is required, whole
+        fits = fits and arr.ndim > 0 and arr.shape[-1] == lead[-1]
+    if not fits:
+        expected = (f"broadcastable to (*batch, heads) = {lead}" if broadcast_heads else
+                    f"(heads,) or (*batch, heads) with heads = {lead[-1]} and each leading "
+                    f"axis 1 or that of (*batch, heads) = {lead}")
+        raise ValueError(f"{name} must have shape {expected}; got {name}.shape={arr.shape}")
     if not shapes.has_heads_axis:  # a bare (seq, dim) problem has one head
         return arr.reshape(1, 1, 1, 1, 1)
     return mask_to_internal(arr[..., None, None], shapes, "pairs", name)
@@ -237,6 +248,7 @@ _BY_KIND: dict[str, Callable[[str, ArrayLike, Shapes], Array]] = {
     "keys": _keys, "pairs": _pairs, "query_ids": _query_ids, "key_ids": _key_ids,
     "query_lengths": _query_lengths, "key_lengths": _key_lengths,
     "float_pairs": _float_pairs, "per_head": _per_head,
+    "broadcast_per_head": _broadcast_per_head,
 }
 
 

@@ -24,7 +24,8 @@ def merge_attention(outs: ArrayLike, lses: ArrayLike) -> tuple[Array, Array]:
     `(out, lse)` of attention over the union of the key sets: `out` in `outs`' dtype,
     `lse` in float32 (float64 for float64 inputs). Exact, and differentiable in reverse
     and forward mode. A part whose lse is `-inf` (it attended nothing) contributes
-    nothing; a row where every part is `-inf` gets `out = 0`, `lse = -inf` and finite
+    nothing, whatever its `out` holds (NaN or inf included), and gets zero gradients; a
+    row where every part is `-inf` gets `out = 0`, `lse = -inf` and finite
     (zero) gradients. An attention sink is the part `(out = 0, lse = sink)`.
 
     **Raises:**
@@ -43,5 +44,9 @@ def merge_attention(outs: ArrayLike, lses: ArrayLike) -> tuple[Array, Array]:
         raise ValueError(f"outs must hold at least one part; got outs.shape={outs.shape}")
     wide = jnp.float64 in (outs.dtype, lses.dtype)
     stat = stat_dtype(jnp.float64 if wide else jnp.float32)
-    out, lse = merge_all(outs.astype(stat), lses.astype(stat), axis=0)
-    return out.astype(outs.dtype), lse
+    dtype, outs, lses = outs.dtype, outs.astype(stat), lses.astype(stat)
+    # An empty part's out is meaningless (a buffer never written, say): its weight is 0,
+    # and 0 * NaN would still be NaN, so it is dropped rather than weighted.
+    outs = jnp.where((lses == -jnp.inf)[..., None], jnp.zeros((), stat), outs)
+    out, lse = merge_all(outs, lses, axis=0)
+    return out.astype(dtype), lse

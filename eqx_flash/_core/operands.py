@@ -41,10 +41,11 @@ SHARED: OperandLayout = "shared"
 #   "query_ids", "key_ids": integer ids `(*batch, [heads,] seq_q|seq_k)`;
 #   "query_lengths", "key_lengths": integer lengths `(*batch,)` in `[0, seq_q|seq_k]`;
 #   "float_pairs": a float array broadcastable to `(*batch, heads, seq_q, seq_k)`;
-#   "per_head": a float array `(heads,)` or `(*batch, heads)`.
+#   "per_head": a float array `(heads,)` or `(*batch, heads)`;
+#   "broadcast_per_head": a float array broadcastable to `(*batch, heads)`.
 # Fields without a kind are filled by the library (tracing, summaries, the ring).
 Kind = Literal["keys", "pairs", "query_ids", "key_ids", "query_lengths", "key_lengths",
-               "float_pairs", "per_head"]
+               "float_pairs", "per_head", "broadcast_per_head"]
 
 
 def _operand(layout: OperandLayout, *, argument: str | None = None, kind: Kind | None = None,
@@ -79,7 +80,8 @@ class Operands(eqx.Module):
     # Attention sinks: a per-head logit in every row's softmax denominator. It acts on the
     # kernels' normalised `(out, lse)` (`_semantics.softmax.with_sink`), so the kernels
     # never see it and its derivatives are those of that elementwise step.
-    sinks: Any = _operand(GRID, argument="sinks", kind="per_head", differentiable=True)
+    sinks: Any = _operand(GRID, argument="sinks", kind="broadcast_per_head",
+                          differentiable=True)
     # Valid lengths (right padding), `(batch|1, 1, 1, 1, 1)` int32.
     q_lengths: Any = _operand(GRID, argument="q_lengths", kind="query_lengths")
     kv_lengths: Any = _operand(GRID, argument="kv_lengths", kind="key_lengths")

@@ -15,8 +15,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, ArrayLike
 
+from .._api.binder import is_concrete
 from .._api.flash import flash_attention
 from .._core.types import Flag, OptionalReal
 
@@ -34,7 +36,7 @@ def dot_product_attention(
     bias: ArrayLike | None = None,
     mask: ArrayLike | None = None,
     *,
-    scale: OptionalReal = None,
+    scale: OptionalReal | Array = None,
     is_causal: Flag = False,
     query_seq_lengths: ArrayLike | None = None,
     key_value_seq_lengths: ArrayLike | None = None,
@@ -52,7 +54,8 @@ def dot_product_attention(
         `(S, K, H)`, `K` dividing `N` (grouped-query attention). One dtype for all three.
     - `bias`: added to the logits, broadcastable to `(B, N, T, S)` (or `(N, T, S)`).
     - `mask`: bool, broadcastable to `(B, N, T, S)` (or `(N, T, S)`); True attends.
-    - `scale`: logit scale, default `1 / sqrt(H)`.
+    - `scale`: logit scale, default `1 / sqrt(H)`; a traced one (a learned temperature
+        under `jit`) scales the queries, and its gradient flows.
     - `is_causal`: query `i` attends keys `j <= i`, aligned **top-left** as in jax.nn
         (eqx_flash's own `causal` aligns bottom-right; they agree when `T == S`).
     - `query_seq_lengths`, `key_value_seq_lengths`: int32 `(B,)`: rows at or past the
@@ -116,8 +119,18 @@ def attend_in_jax_nn_layout(
     if q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
         raise ValueError(f"query must be (B, T, N, H) with key's B={k.shape[0]} and "
                          f"H={k.shape[-1]}; got query.shape={q.shape}, key.shape={k.shape}")
-    if not isinstance(is_causal, bool):
+    if not isinstance(is_causal, bool | np.bool_):
         raise TypeError(f"is_causal must be a bool; got is_causal={is_causal!r}")
+    is_causal = bool(is_causal)
+    static_scale = scale
+    if isinstance(scale, jax.Array) and not is_concrete(scale):
+        # A traced scale (a learned temperature) cannot be the kernels' static one: it
+        # scales the queries instead (one rounding of q more in low precision).
+        if scale.shape != () or not jnp.issubdtype(scale.dtype, jnp.floating):
+            raise TypeError(f"scale must be a real scalar; got a traced scale of shape "
+                            f"{scale.shape} and dtype {scale.dtype}")
+        wide = jnp.promote_types(q.dtype, jnp.float32)
+        q, static_scale = (q.astype(wide) * scale.astype(wide)).astype(q.dtype), 1.0
     batch, seq_q, _, _ = q.shape
     seq_k = k.shape[1]
     bias_4d, mask_4d = (None if x is None else _as_4d(name, x)
@@ -146,7 +159,7 @@ def attend_in_jax_nn_layout(
     bias_4d, mask_4d = (None if x is None else _pad(_pad(x, 2, extra_q, True), 3, extra_k, True)
                         for x in (bias_4d, mask_4d))
     out, lse = flash_attention(
-        q, k, v, attn_mask=mask_4d, bias=bias_4d, scale=scale, causal=is_causal,
+        q, k, v, attn_mask=mask_4d, bias=bias_4d, scale=static_scale, causal=is_causal,
         window=window,
         q_segment_ids=q_ids, kv_segment_ids=kv_ids, dropout_rate=dropout_rate,
         key=dropout_key,

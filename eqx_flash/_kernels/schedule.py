@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
 
+from .._core.compat import varying_axes
 from .._core.config import KernelConfig
 from .._core.operands import Operands
 from .._core.options import Window
@@ -331,8 +332,18 @@ def _only_block(step: Callable[[Any, Array, bool], Any], carry: Any, whole: Arra
     the block's slices do not depend on the (then folded) index, and XLA's loop-invariant
     code motion hoists the whole tile out of the loop, computing it even where the loop
     runs no step, once per loop: a backward with one query block against 8 key blocks, 2
-    of them within a causal window on positions, took 29.6 ms in loops, 6.5 ms so."""
-    which = jnp.where(whole, 1, jnp.where(inside, 2, 0))
+    of them within a causal window on positions, took 29.6 ms in loops, 6.5 ms so.
+
+    Under `shard_map(check_vma=True)` the flags vary over the mesh when run-time
+    operands (segment ids, positions) give them, and batching a switch on a varying
+    index (the heads' `vmap`) evaluates its branches on operands cast to vary, against
+    a jaxpr traced with them invariant ("mul requires varying manual axes to match").
+    A batched switch computes its branches and selects anyway: there the block is
+    visited masked (exact on a whole block too) and kept where it is inside."""
     zero = jnp.zeros((), jnp.int32)
+    if varying_axes(inside) | varying_axes(whole):
+        new = step(carry, zero, True)
+        return jax.tree.map(lambda n, c: jnp.where(inside, n, c), new, carry)
+    which = jnp.where(whole, 1, jnp.where(inside, 2, 0))
     return jax.lax.switch(which, [lambda c: c, lambda c: step(c, zero, False),
                                   lambda c: step(c, zero, True)], carry)

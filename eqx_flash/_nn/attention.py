@@ -139,8 +139,9 @@ class FlashAttention(eqx.Module):
         - `q_positions`, `kv_positions`: `(seq_q,)`, `(seq_k,)` (or per head), absolute
             positions as in `flash_attention`: causal, the window and ALiBi measured on
             them (packed sequences, chunked prefill).
-        - `sinks`: `(heads,)`, as in `flash_attention` (a trained sink is a parameter of
-            the enclosing model, passed here each call).
+        - `sinks`: broadcastable to `(heads,)` (a scalar: one sink for every head), as in
+            `flash_attention` (a trained sink is a parameter of the enclosing model,
+            passed here each call).
         - `score_mod`, `mask_mod`: for this call instead of the module's.
         - `block_mask`: `make_block_mask(mask_mod, (), heads, seq_q, seq_k, block_q,
             block_k)` of the `mask_mod` in use, for this example's sizes.
