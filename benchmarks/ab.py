@@ -89,6 +89,8 @@ def _configs(seq: int, heads: int, dim: int):
                      block_mask=block_mask), mha
 
     segments = (jnp.arange(seq) // 512)[None].astype(jnp.int32)
+    positions = jnp.arange(seq, dtype=jnp.int32)[None]
+    slopes = jnp.geomspace(0.5, 0.5 ** 8, heads)
 
     def forward(**kwargs):
         return lambda p: (jax.jit(lambda q, k, v: p.flash_attention(q, k, v, **kwargs)), mha)
@@ -108,6 +110,10 @@ def _configs(seq: int, heads: int, dim: int):
         "fwd+bwd trained bias": lambda p: (
             _grad(lambda q, k, v, b: p.flash_attention(q, k, v, bias=b),
                   argnums=(0, 1, 2, 3)), [*mha, bias]),
+        "fwd+bwd window (256, 0)": lambda p: (_grad(p.flash_attention, window=(256, 0)), mha),
+        "fwd+bwd positions window + ALiBi": lambda p: (_grad(
+            p.flash_attention, q_positions=positions, kv_positions=positions,
+            window=(256, 16), alibi_slopes=slopes), mha),
     }
     if jax.device_count() >= 4:
         configs |= _sharded_configs(mha)

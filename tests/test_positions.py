@@ -357,3 +357,129 @@ def test_positions_under_jit_and_vmap():
     direct = one(q, k, v, q_pos, kv_pos)
     assert_close(batched[0], direct[0])
     assert eqx.filter_jit(one)(q, k, v, q_pos, kv_pos)[0].shape == direct[0].shape
+
+
+INT32_MAX, INT32_MIN = 2**31 - 1, -(2**31)
+
+
+def _wide_reference(q, k, v, q_pos, kv_pos, *, left=None, right=None, slopes=None):
+    """Float64 NumPy attention on positions of any size (float64 holds every int32 and
+    their differences exactly): the window and ALiBi of `flash_attention`, no int32
+    arithmetic anywhere. `q_pos`, `kv_pos` `(seq,)`, shared by the batch."""
+    groups = q.shape[1] // k.shape[1]
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    k, v = np.repeat(k, groups, axis=1), np.repeat(v, groups, axis=1)
+    s = np.einsum("bhqd,bhkd->bhqk", q, k) / np.sqrt(q.shape[-1])
+    rel = np.asarray(kv_pos, np.float64)[None, :] - np.asarray(q_pos, np.float64)[:, None]
+    if slopes is not None:
+        s = s - np.asarray(slopes, np.float64)[None, :, None, None] * np.abs(rel)
+    allowed = np.ones(rel.shape, bool)
+    if left is not None:
+        allowed &= rel >= -left
+    if right is not None:
+        allowed &= rel <= right
+    s = np.where(allowed, s, -np.inf)
+    top = np.max(s, axis=-1, keepdims=True)
+    top = np.where(np.isfinite(top), top, 0.0)
+    e = np.exp(s - top)
+    total = e.sum(-1)
+    out = np.einsum("bhqk,bhkd->bhqd", e / np.where(total > 0, total, 1.0)[..., None], v)
+    with np.errstate(divide="ignore"):
+        return out, np.where(total > 0, np.log(total) + top[..., 0], -np.inf)
+
+
+EXTREME_POSITIONS = {
+    # A window at the top of int32: `q_pos + right` passed INT32_MAX and wrapped round,
+    # every row came back empty.
+    "top_window": (np.arange(SQ) + INT32_MAX - SQ + 1, np.arange(SK) + INT32_MAX - SK + 1,
+                   dict(window=(4, 2))),
+    "bottom_window": (np.arange(SQ) + INT32_MIN, np.arange(SK) + INT32_MIN,
+                      dict(window=(3, 5))),
+    "top_causal_window": (np.arange(SQ) + INT32_MAX - SQ + 1,
+                          np.arange(SK) + INT32_MAX - SK + 1, dict(causal=True, window=(6, 0))),
+    # Positions at both ends of int32: distances past int32 (ALiBi, a window of 3e9).
+    "both_ends_alibi": (np.where(np.arange(SQ) % 2 == 0, INT32_MAX - np.arange(SQ),
+                                 INT32_MIN + np.arange(SQ)),
+                        np.where(np.arange(SK) % 3 == 0, INT32_MAX - np.arange(SK),
+                                 INT32_MIN + np.arange(SK)),
+                        dict(alibi_slopes=np.array([1e-9, 2e-9, 0.5, 1e-10]))),
+    "both_ends_wide_window": (np.where(np.arange(SQ) % 2 == 0, INT32_MAX - np.arange(SQ),
+                                       INT32_MIN + np.arange(SQ)),
+                              np.where(np.arange(SK) % 3 == 0, INT32_MAX - np.arange(SK),
+                                       INT32_MIN + np.arange(SK)),
+                              dict(window=(3_000_000_000, 10))),
+}
+
+
+@pytest.mark.parametrize("name", list(EXTREME_POSITIONS))
+def test_positions_at_the_int32_limits(name):
+    """int32 positions within a window of INT32_MAX/MIN, and pairs further apart than
+    int32 holds: the window and ALiBi exact (no wrap round), the kernels (small blocks:
+    the run-time block limits too) and `plain_attention` against the float64 reference
+    (#41)."""
+    q, k, v = _inputs(20)
+    q_pos, kv_pos, options = EXTREME_POSITIONS[name]
+    window = options.get("window", (None, None))
+    left, right = window
+    if options.get("causal"):
+        right = 0
+    slopes = options.get("alibi_slopes")
+    expected_out, expected_lse = _wide_reference(q, k, v, q_pos, kv_pos, left=left,
+                                                 right=right, slopes=slopes)
+    assert np.isfinite(expected_lse).any()
+    kw = dict(options, q_positions=np.asarray(q_pos, np.int32),
+              kv_positions=np.asarray(kv_pos, np.int32))
+    if slopes is not None:
+        kw["alibi_slopes"] = jnp.asarray(slopes, jnp.float32)
+    for fn, blocks in ((eqx_flash.flash_attention, BLOCKS), (eqx_flash.plain_attention, {})):
+        out, lse = fn(q, k, v, **kw, **blocks)
+        assert_close(out, expected_out, name=fn.__name__)
+        assert_lse_close(lse, expected_lse)
+
+
+def test_windows_past_int32_are_what_they_say():
+    """A window side of 2^31 or more (past int32) on indices and on positions: the
+    attention it describes, not an OverflowError (a side of 2^32 - 1 or more reaches
+    everything: unbounded) (#41)."""
+    q, k, v = _inputs(21)
+    lengths = dict(q_lengths=jnp.array([SQ, 20]), kv_lengths=jnp.array([SK, 30]))
+    for window, same_as, extra in (((2**31, 2**40), None, {}), ((None, 2**31 - 1), None, {}),
+                                   ((2**31 + 7, 0), (None, 0), {}),
+                                   ((2**31 + 7, 2**31), None, lengths)):
+        expected = eqx_flash.plain_attention(q, k, v, window=same_as, **extra)
+        for fn in (eqx_flash.flash_attention, eqx_flash.plain_attention):
+            out, lse = fn(q, k, v, window=window, **extra)
+            assert_close(out, expected[0], name=f"{fn.__name__} window={window}")
+            assert_lse_close(lse, expected[1])
+    with pytest.raises(ValueError, match="window must be"):
+        eqx_flash.flash_attention(q, k, v, window=(-1, 3))
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.uint32, np.uint64])
+def test_positions_and_ids_past_int32_are_refused_not_wrapped(dtype):
+    """Positions (and segment ids, and lengths) of a dtype wider than int32: concrete
+    values that fit are taken, values that do not raise a `ValueError` naming the
+    argument (they were cast with a silent wrap round, #41), and traced ones, which
+    cannot be checked, a `TypeError` saying to pass int32."""
+    q, k, v = _inputs(22)
+    fits = np.arange(SK).astype(dtype)
+    expected = eqx_flash.flash_attention(q, k, v, causal=True, q_positions=fits[-SQ:],
+                                         kv_positions=np.arange(SK, dtype=np.int32))
+    got = eqx_flash.flash_attention(q, k, v, causal=True, q_positions=fits[-SQ:],
+                                    kv_positions=fits)
+    assert_close(got[0], expected[0])
+    past = fits + np.asarray(2**31, dtype)
+    for fn in (eqx_flash.flash_attention, eqx_flash.plain_attention):
+        with pytest.raises(ValueError, match=r"kv_positions must fit int32.*got values from "
+                                             r"2147483648 to 2147483692"):
+            fn(q, k, v, causal=True, q_positions=fits[-SQ:], kv_positions=past)
+        with pytest.raises(ValueError, match="q_segment_ids must fit int32"):
+            fn(q, k, v, q_segment_ids=past[-SQ:], kv_segment_ids=fits)
+    too_long = 2**32 + 5 if np.iinfo(dtype).bits == 64 else 2**31 + 5  # (wrapped to 5)
+    with pytest.raises(ValueError, match=r"kv_lengths must lie in \[0, 45\]"):
+        eqx_flash.flash_attention(q, k, v, kv_lengths=np.array([too_long, 7], dtype))
+    if dtype == np.uint32:  # (a traced int64/uint64 array needs jax_enable_x64)
+        with pytest.raises(TypeError, match="kv_positions has dtype uint32.*traced.*int32"):
+            jax.jit(lambda p: eqx_flash.flash_attention(
+                q, k, v, q_positions=fits[-SQ:].astype(np.int32), kv_positions=p))(
+                jnp.asarray(fits))

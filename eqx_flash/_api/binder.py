@@ -143,11 +143,32 @@ def _boolean_mask(name: str, x: ArrayLike) -> Array:
     return x != 0 if x.dtype != jnp.bool_ else x
 
 
+_INT32 = np.iinfo(np.int32)
+
+
 def _integer(name: str, x: ArrayLike) -> Array:
-    x = _as_array(x)
-    if not jnp.issubdtype(x.dtype, jnp.integer):
-        raise TypeError(f"{name} must have an integer dtype; got {name}.dtype={x.dtype}")
-    return x.astype(jnp.int32)
+    """Integer ids or positions as int32, which the kernels compute in. A wider dtype
+    (int64, uint32, ...) is checked value by value when concrete and refused when traced:
+    a value past int32 would wrap silently, and a check on traced values cannot raise
+    (an `eqx.error_if` could abort a multi-device program)."""
+    dtype = x.dtype if isinstance(x, jax.Array) else np.asarray(x).dtype
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(f"{name} must have an integer dtype; got {name}.dtype={dtype}")
+    info = np.iinfo(dtype)
+    if info.min >= _INT32.min and info.max <= _INT32.max:
+        return _as_array(x).astype(jnp.int32)
+    if isinstance(x, jax.Array) and not is_concrete(x):
+        raise TypeError(
+            f"{name} has dtype {dtype}, whose values may not fit int32, and is traced (under "
+            f"jax.jit), so its values cannot be checked: pass int32 ({name}.astype(jnp.int32) "
+            f"once you know they lie in [{_INT32.min}, {_INT32.max}])")
+    values = np.asarray(x)
+    if values.size and (values.min() < _INT32.min or values.max() > _INT32.max):
+        raise ValueError(
+            f"{name} must fit int32, [{_INT32.min}, {_INT32.max}]; got values from "
+            f"{values.min()} to {values.max()} ({name}.dtype={dtype})")
+    return x.astype(jnp.int32) if isinstance(x, jax.Array) else jnp.asarray(
+        values.astype(np.int32))
 
 
 def _keys(name: str, x: ArrayLike, shapes: Shapes) -> Array:
@@ -219,7 +240,9 @@ def _lengths(name: str, x: ArrayLike, shapes: Shapes, seq: int) -> Array:
     `[0, seq]` (as `jax.nn` masks do with `arange(seq) < length`), since no value check
     inside a jitted program may abort it: `eqx.error_if` there, followed by cross-device
     collectives, hangs and then kills a multi-device program."""
-    arr = _as_array(x)
+    # (NumPy values are read before any conversion: jnp.asarray of an int64 array
+    # without jax_enable_x64 would wrap what lies past int32.)
+    arr = x if isinstance(x, jax.Array) else np.asarray(x)
     if not jnp.issubdtype(arr.dtype, jnp.integer):
         raise TypeError(f"{name} must have an integer dtype; got {name}.dtype={arr.dtype}")
     batch = shapes.batch_shape
@@ -230,14 +253,15 @@ def _lengths(name: str, x: ArrayLike, shapes: Shapes, seq: int) -> Array:
             f"{name} must have shape (*batch,) = {batch} (any leading axis may be 1 or "
             f"missing), one length per batch element; got {name}.shape={arr.shape}"
         )
-    arr = arr.astype(jnp.int32)
     message = f"{name} must lie in [0, {seq}] (the sequence length)"
-    if not is_concrete(arr):
-        arr = jnp.clip(arr, 0, seq)
+    if isinstance(arr, jax.Array) and not is_concrete(arr):
+        arr = jnp.clip(arr, 0, seq).astype(jnp.int32)  # clipped in its own dtype: no wrap
     else:
         concrete = np.asarray(arr)
         if np.any((concrete < 0) | (concrete > seq)):
             raise ValueError(f"{message}; got {name}={concrete.tolist()}")
+        arr = arr.astype(jnp.int32) if isinstance(arr, jax.Array) else jnp.asarray(
+            concrete.astype(np.int32))
     arr = arr.reshape((1,) * (len(batch) - arr.ndim) + arr.shape)
     if any(n != 1 for n in arr.shape):
         arr = jnp.broadcast_to(arr, batch)

@@ -192,7 +192,11 @@ def flash_attention(
     - `window`: `(left, right)` or `w` for `(w, w)`: query `i` sees keys
         `p - left <= j <= p + right` with `p = i + seq_k - seq_q`; `None` is unbounded.
     - `q_segment_ids`, `kv_segment_ids`: integer ids `(*batch, [heads,] seq_q|seq_k)`; a
-        query attends only to keys with an equal id. Both or neither.
+        query attends only to keys with an equal id. Both or neither. Ids and positions
+        are int32 in the kernels: a wider integer dtype (int64, uint32) is taken when its
+        values are concrete and fit int32, else a `ValueError` names the argument;
+        traced under `jax.jit`, where its values cannot be checked, a `TypeError` asks
+        for int32.
     - `q_lengths`, `kv_lengths`: integer arrays `(*batch,)` (any leading axis may be 1 or
         missing): the number of valid queries and keys of each batch element, the rest
         being right padding. Keys at or past `kv_lengths` never attend; queries at or past
@@ -207,8 +211,10 @@ def flash_attention(
         cross-attention with per-sequence offsets: FlashAttention's varlen, tokamax's
         `q_indices`/`k_indices`). Both or neither. When given, `causal` means
         `kv_pos <= q_pos`, the window is `q_pos - left <= kv_pos <= q_pos + right`, ALiBi
-        uses `|q_pos - kv_pos|`, and no bottom-right offset applies (positions are
-        absolute; with lengths, the lengths only mark the padding). Key blocks that no
+        uses `|q_pos - kv_pos|` (all exact for any int32 positions, near the int32
+        limits or further apart than int32 holds), and no bottom-right offset applies
+        (positions are absolute; with lengths, the lengths only mark the padding). The
+        dtype rule of the segment ids applies. Key blocks that no
         query of a block can see by position are skipped at run time. `score_mod` and
         `mask_mod` keep receiving indices: to use positions there, close over the
         position arrays and index them with `q_idx`/`kv_idx`.

@@ -126,6 +126,9 @@ def _block(name: str, value: Any) -> int | None:
     return int(value)
 
 
+_REACHES_ALL = 2**32 - 1
+
+
 def _window(window: Any, causal: bool) -> Window:
     """`None`, `w` for `(w, w)`, or a pair `(left, right)` of ints >= 0 or None."""
     expected = "an int >= 0, a pair (left, right) of ints >= 0 or None, or None"
@@ -144,8 +147,10 @@ def _window(window: Any, causal: bool) -> Window:
             raise TypeError(f"window must be {expected}; got window={window!r}")
         if side < 0:
             raise ValueError(f"window must be {expected}; got window={window!r}")
-    left = None if left is None else int(left)
-    right = None if right is None else int(right)
+    # A side reaching 2^32 - 1 reaches every int32 position from any other: unbounded
+    # (and never a constant past int32 in the kernels).
+    left = None if left is None or left >= _REACHES_ALL else int(left)
+    right = None if right is None or right >= _REACHES_ALL else int(right)
     if causal:
         right = 0 if right is None else min(right, 0)
     return Window(left, right)

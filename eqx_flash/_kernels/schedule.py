@@ -21,7 +21,7 @@ from .._core.config import KernelConfig
 from .._core.operands import Operands
 from .._core.options import Window
 from .._mods.block_mask import EMPTY, FULL
-from .._semantics.masking import length_window, lengths_or
+from .._semantics.masking import length_window, lengths_or, shifted
 
 
 class Schedule(NamedTuple):
@@ -153,12 +153,13 @@ def position_limits(cfg: KernelConfig, ops: Operands, by: str
     k_lo, k_hi, k_real = _block_ranges(ops.kv_positions, cfg.seq_k, cfg.block_k)
     pairs = q_real[:, None] & k_real[None, :]
     full = pairs
+    # (`shifted`: the reach saturates at the int32 ends instead of wrapping round.)
     if window.left is not None:  # some key at or after the first query's reach
-        pairs &= k_hi[None, :] >= q_lo[:, None] - window.left
-        full &= k_lo[None, :] >= q_hi[:, None] - window.left
+        pairs &= k_hi[None, :] >= shifted(q_lo, -window.left)[:, None]
+        full &= k_lo[None, :] >= shifted(q_hi, -window.left)[:, None]
     if window.right is not None:
-        pairs &= k_lo[None, :] <= q_hi[:, None] + window.right
-        full &= k_hi[None, :] <= q_lo[:, None] + window.right
+        pairs &= k_lo[None, :] <= shifted(q_hi, window.right)[:, None]
+        full &= k_hi[None, :] <= shifted(q_lo, window.right)[:, None]
     if by == "k":
         pairs, full = pairs.T, full.T
     lo, hi = _interval(pairs)
@@ -209,12 +210,16 @@ def length_limits(cfg: KernelConfig, ops: Operands, by: str) -> tuple[Array, Arr
         n_outer, outer_block, outer_len, inner_block = -(-cfg.seq_k // bk), bk, kv_len, bq
     first = jnp.arange(n_outer, dtype=jnp.int32) * outer_block
     last = jnp.minimum(first + outer_block, outer_len) - 1
+    # (`shifted`: a window side past int32 saturates instead of wrapping round.)
     if by == "q":  # keys j with p - left <= j <= p + right, p = i + offset, j < kv_len
-        start = jnp.zeros_like(first) if left is None else jnp.maximum(first + offset - left, 0)
-        stop = kv_len if right is None else jnp.minimum(kv_len, last + offset + right + 1)
+        start = (jnp.zeros_like(first) if left is None
+                 else jnp.maximum(shifted(first + offset, -left), 0))
+        stop = (kv_len if right is None
+                else jnp.minimum(kv_len, shifted(last + offset + 1, right)))
     else:  # queries i with j - right <= i + offset <= j + left, i < q_len
-        start = jnp.zeros_like(first) if right is None else jnp.maximum(first - right - offset, 0)
-        stop = q_len if left is None else jnp.minimum(q_len, last + left - offset + 1)
+        start = (jnp.zeros_like(first) if right is None
+                 else jnp.maximum(shifted(first - offset, -right), 0))
+        stop = q_len if left is None else jnp.minimum(q_len, shifted(last - offset + 1, left))
     stop = jnp.broadcast_to(stop, first.shape)
     empty = (first >= outer_len) | (stop <= start)
     lo = jnp.where(empty, 0, start // inner_block)

@@ -13,12 +13,30 @@ from .._core.operands import Operands
 from .._core.options import Window
 
 
+def shifted(p: Array, by: int) -> Array:
+    """`p + by` for a Python int `by`, saturated at the ends of `p`'s integer dtype:
+    exact wherever the sum fits, the dtype's end where it does not. A window's ends
+    `q_pos - left`, `q_pos + right` would wrap round for positions near the int32
+    limits (and then exclude every key); saturated, `k >= p - left` and `k <= p + right`
+    stay exact for every int32 key. Costs a compare and a select on the rows only."""
+    if by == 0:
+        return p
+    info = jnp.iinfo(p.dtype)
+    end, limit = (info.max, info.max - by) if by > 0 else (info.min, info.min - by)
+    if not info.min <= limit <= info.max:  # every p passes the end
+        return jnp.full_like(p, end)
+    past = p > limit if by > 0 else p < limit
+    # `by` modulo 2^bits as an in-range constant: the wrapped sum is exact where it fits.
+    wrapped = (by - info.min) % (1 << info.bits) + info.min
+    return jnp.where(past, jnp.asarray(end, p.dtype), p + jnp.asarray(wrapped, p.dtype))
+
+
 def within_window(allowed: Array | None, k_pos: Array, p: Array, window: Window) -> Array:
     """`allowed` (None: everything) and `p - left <= k_pos <= p + right`, the one
     statement of the window (a side that is None is unbounded; at least one is not when
-    `allowed` is None)."""
-    for inside in (None if window.left is None else k_pos >= p - window.left,
-                   None if window.right is None else k_pos <= p + window.right):
+    `allowed` is None), exact for any integer positions (`shifted`)."""
+    for inside in (None if window.left is None else k_pos >= shifted(p, -window.left),
+                   None if window.right is None else k_pos <= shifted(p, window.right)):
         if inside is not None:
             allowed = inside if allowed is None else allowed & inside
     assert allowed is not None

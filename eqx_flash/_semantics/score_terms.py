@@ -15,10 +15,15 @@ from .._core.operands import Operands, replace
 from .masking import block_of
 
 
-def alibi_distance(q_pos: Array, k_pos: Array, offset: int) -> Array:
+def alibi_distance(q_pos: Array, k_pos: Array, offset: int | None) -> Array:
     """`|i + offset - j|`: the distance ALiBi penalises (bottom-right aligned, as causal),
-    broadcast over the positions' shapes."""
-    return jnp.abs(q_pos + offset - k_pos)
+    broadcast over the positions' shapes. `offset=None`: absolute positions, any int32
+    (their difference may pass int32: taken exactly, as unsigned)."""
+    if offset is not None:  # indices: small
+        return jnp.abs(q_pos + offset - k_pos)
+    # Whichever order is non-negative; wrapped past int32, its bits are the unsigned value.
+    d = jnp.where(q_pos >= k_pos, q_pos - k_pos, k_pos - q_pos)
+    return jax.lax.bitcast_convert_type(d, jnp.dtype(f"uint{jnp.iinfo(d.dtype).bits}"))
 
 
 def block_indices(
@@ -37,13 +42,13 @@ def block_indices(
 def alibi_positions(
     ops: Operands, q_start: Array | int, k_start: Array | int, q_pos: Array, k_pos: Array,
     offset: int, block_q: int, block_k: int,
-) -> tuple[Array, Array, int]:
+) -> tuple[Array, Array, int | None]:
     """`(i, j, offset)` for `alibi_distance` on one block: the given positions
-    (`ops.q_positions`, absolute: offset 0), else the block's indices (`block_indices`)
-    with the call's alignment `offset`."""
+    (`ops.q_positions`, absolute: offset None), else the block's indices
+    (`block_indices`) with the call's alignment `offset`."""
     if ops.has_positions:
         return (block_of(ops.q_positions, q_start, k_start, block_q, block_k),
-                block_of(ops.kv_positions, q_start, k_start, block_q, block_k), 0)
+                block_of(ops.kv_positions, q_start, k_start, block_q, block_k), None)
     i, j = block_indices(ops, q_start, k_start, q_pos, k_pos, block_q, block_k)
     return i, j, offset
 
