@@ -286,8 +286,12 @@ class Budget:
     start: float = dataclasses.field(default_factory=time.perf_counter)
     skipped: list[str] = dataclasses.field(default_factory=list)
 
-    def left(self, cell: str) -> bool:
-        if time.perf_counter() - self.start <= self.seconds:
+    def over(self) -> bool:
+        return time.perf_counter() - self.start > self.seconds
+
+    def allows(self, cell: str) -> bool:
+        """Whether `cell` may still be compiled; if not, it is noted as skipped."""
+        if not self.over():
             return True
         self.skipped.append(cell)
         return False
@@ -305,15 +309,16 @@ def measure_group(cells: list[tuple[dict[str, Any], Callable[..., Any], str]], c
                   progress: list[int]) -> list[dict[str, Any]]:
     """Compile, warm up and time the cells of one (config, seq), interleaved with a
     `matmul`^3 matmul; each cell is `(record, attend, layout)`."""
-    inputs = {layout: _inputs(config, batch, seq, dtype, layout)
-              for layout in sorted({layout for _, _, layout in cells})}
+    inputs = {} if budget.over() else {  # nothing to build if no cell will run
+        layout: _inputs(config, batch, seq, dtype, layout)
+        for layout in sorted({layout for _, _, layout in cells})}
     calls: dict[str, Callable[[], Any]] = {}
     records = []
     for record, attend, layout in cells:
         progress[0] += 1
         name = _cell_name(record)
         records.append(record)
-        if not budget.left(name):
+        if not budget.allows(name):
             record["error"] = "skipped (time budget)"
             continue
         print(f"[{progress[0]}/{progress[1]}] {name}: compiling ...", end="", flush=True)
