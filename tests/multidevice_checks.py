@@ -446,9 +446,11 @@ def check_flash_in_user_shard_map():
     """`flash_attention` on each device's shard of the batch inside the user's own
     `jax.shard_map` (data parallel, `check_vma=True`), two sequences per device, with
     every per-call array at once (key mask, dense mask, segment ids, positions,
-    lengths, bias, ALiBi slopes, sinks), causal and windowed, one block per sequence
-    (#41: the schedule's single-block switch on limits that vary over the mesh failed
-    to type-check): values, gradients, jvp and HVP against the unsharded call."""
+    lengths, bias, ALiBi slopes, sinks, a score_mod and a mask_mod closing over its
+    arrays), causal and windowed, one block per sequence (#41: the schedule's
+    single-block switch on limits that vary over the mesh failed to type-check; the
+    traced mods' replay too): values, gradients, jvp and HVP against the unsharded
+    call."""
     batch, seq = 8, 16
     mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
     keys = jax.random.split(jax.random.key(8), 8)
@@ -462,12 +464,20 @@ def check_flash_in_user_shard_map():
         q_lengths=jnp.array([16, 12, 9, 16] * 2), kv_lengths=jnp.array([16, 14, 9, 5] * 2),
         bias=jax.random.normal(keys[3], (batch, H, seq, seq)),
         alibi_slopes=jax.random.uniform(keys[4], (batch, H), minval=0.05, maxval=0.5),
-        sinks=jax.random.normal(keys[5], (batch, H)))
+        sinks=jax.random.normal(keys[5], (batch, H)),
+        table=0.3 * jax.random.normal(keys[6], (batch, H)),  # read by the mods below
+        shift=jnp.arange(batch, dtype=jnp.int32) % 3)
     results = {}
     for name, options in (("causal", dict(causal=True)), ("window", dict(window=(5, 2)))):
         def attention(q, k, v, *values, options=options):
-            return eqx_flash.flash_attention(q, k, v, block_q=seq, block_k=seq, **options,
-                                             **dict(zip(arrays, values, strict=True)))
+            given = dict(zip(arrays, values, strict=True))
+            table, shift = given.pop("table"), given.pop("shift")
+            # Closures over the shard_map's own arrays (#41: "pvary is a
+            # invariant->variant collective" when the traced mod was replayed).
+            return eqx_flash.flash_attention(
+                q, k, v, block_q=seq, block_k=seq, **options, **given,
+                score_mod=lambda s, b, h, i, j: s + table[b, h],
+                mask_mod=lambda b, h, i, j: (i + j) % 5 != shift[b])
 
         mapped = jax.shard_map(attention, mesh=mesh, in_specs=(P("data"),) * (3 + len(arrays)),
                                out_specs=(P("data"), P("data")))  # check_vma=True

@@ -384,6 +384,38 @@ def test_vmap_and_closure_over_batched_arrays():
     np.testing.assert_allclose(mapped, batched, atol=2e-6)
 
 
+def test_closures_over_shard_map_values_with_check_vma():
+    """A `score_mod` and a `mask_mod` closing over arrays of the user's own
+    `jax.shard_map` (check_vma=True, its default; one device here, the 4-device form in
+    `multidevice_checks.py`): the traced modification was replayed with a cast recorded
+    for an invariant score that arrives varying (#41: "pvary is a invariant->variant
+    collective"). Values and the gradients of q, k, v and the closed-over table equal the
+    unsharded call's."""
+    from jax.sharding import Mesh, PartitionSpec
+
+    q, k, v = _qkv()
+    table = seeded_normal(18, (B, H))
+    shift = jnp.asarray([1, 3], jnp.int32)
+
+    def attention(q, k, v, table, shift):
+        return _flash(q, k, v, causal=True,
+                      score_mod=lambda s, b, h, i, j: s + 0.3 * table[b, h],
+                      mask_mod=lambda b, h, i, j: (i - j) % 4 != shift[b])
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    mapped = jax.shard_map(attention, mesh=mesh, in_specs=(PartitionSpec("data"),) * 5,
+                           out_specs=(PartitionSpec("data"),) * 2)
+
+    def loss(fn):
+        return jax.value_and_grad(
+            lambda *a: seeded_linear_loss(lambda *b: fn(*b, shift), *a)[0],
+            argnums=(0, 1, 2, 3))(q, k, v, table)
+
+    expected, got = loss(attention), loss(mapped)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+        assert_close(a, b, kind="grad")
+
+
 def test_causal_flash_attention_and_bare_inputs():
     q, k, v = _qkv()
     mod = relative_table(0.5 * seeded_normal(5, (H, SQ + SK + 1)))

@@ -457,8 +457,8 @@ def test_ring_in_a_user_shard_map_with_check_vma():
 @pytest.mark.multidevice
 def test_flash_attention_in_a_user_data_parallel_shard_map():
     """`flash_attention` on batch shards inside the user's shard_map (check_vma=True),
-    every per-call array at once, one block per sequence (#41): values, gradients, jvp
-    and HVP equal the unsharded call's."""
+    every per-call array at once and a score_mod/mask_mod closing over its arrays, one
+    block per sequence (#41): values, gradients, jvp and HVP equal the unsharded call's."""
     result = multidevice("flash_in_user_shard_map")
     assert len(result) == 8, result
     for name, err in result.items():

@@ -64,7 +64,7 @@ from .._core.types import (
 from .._kernels.forward import forward
 from .._kernels.split_k import split_k_applies, split_k_forward
 from .._mods.block_mask import BlockMask, block_flags_for, derived_flags
-from .._mods.tracing import trace_mods
+from .._mods.tracing import trace_mods, varying_axes_of
 from .._semantics.masking import valid_rows
 from .._semantics.softmax import with_sink
 from .binder import Bound, bind
@@ -93,7 +93,8 @@ def prepare_kernels(bound: Bound) -> tuple[KernelConfig, Operands]:
     cfg = dataclasses.replace(base, lengths=ops.has_lengths,
                               positions=ops.has_positions)
     mods, mod_ops = trace_mods(bound.score_mod, bound.mask_mod, shapes.heads, shapes.groups,
-                               cfg.block_q, cfg.block_k, stat_dtype(bound.q.dtype))
+                               cfg.block_q, cfg.block_k, stat_dtype(bound.q.dtype),
+                               varying_axes_of((bound.q, bound.k, bound.v, ops)))
     ops = combine(ops, mod_ops)
     if bound.block_mask is not None:
         ops = replace(ops, block_flags=block_flags_for(

@@ -26,6 +26,7 @@ import numpy as np
 from jax import core
 from jaxtyping import Array, Bool, Int
 
+from .._core.compat import pcast_varying, varying_axes
 from .._core.operands import Operands
 
 # Primitives that, applied to the scores, mix different elements: a `score_mod` using one
@@ -87,14 +88,18 @@ class ModFn:
 
 class _Traced:
     """A function traced to a jaxpr whose traced closed-over values (tracers of an outer
-    `jit`, `grad` or `vmap`) were hoisted out as arguments. Specialised to the shapes it
-    was traced at, which are the kernels' block shapes (`split_mod`). Hashed by identity."""
+    `jit`, `grad`, `vmap` or `shard_map`) were hoisted out as arguments. Specialised to the
+    shapes it was traced at, which are the kernels' block shapes (`split_mod`), and to
+    the manual mesh axes `varying` its block arguments were traced varying over (inside
+    `shard_map(check_vma=True)`: the jaxpr's casts were recorded for those, so the
+    arguments are cast to them again before it runs). Hashed by identity."""
 
-    def __init__(self, closed: Any, hoisted: Shape):
+    def __init__(self, closed: Any, hoisted: Shape, varying: Shape = ()):
         consts = list(closed.consts)
         for i in hoisted:
             consts[i] = None  # the tracers themselves are not kept
         self.jaxpr, self.consts, self.hoisted = closed.jaxpr, consts, hoisted
+        self.varying = varying
 
     def __call__(self, args: Probe, arrays: Any) -> Array:
         leaves, hoisted = arrays
@@ -102,11 +107,23 @@ class _Traced:
         for i, value in zip(self.hoisted, hoisted, strict=True):
             consts[i] = value
         fn = jex.core.jaxpr_as_fun(jex.core.ClosedJaxpr(self.jaxpr, consts))
-        return fn(*jax.tree.leaves((args, leaves)))[0]
+        return fn(*jax.tree.leaves((_vary(args, self.varying), leaves)))[0]
+
+
+def _vary(args: Probe, axes: Shape) -> Probe:
+    """`args`, each cast to vary over the manual mesh `axes` it does not yet vary over."""
+    if not axes:
+        return args
+
+    def cast(x: Any) -> Any:
+        missing = tuple(a for a in axes if a not in varying_axes(x))
+        return pcast_varying(x, missing) if missing else x
+
+    return tuple(cast(jnp.asarray(x)) for x in args)
 
 
 def split_mod(
-    name: str, mod: Callable[..., Any], probe: Probe
+    name: str, mod: Callable[..., Any], probe: Probe, varying: Shape = ()
 ) -> tuple[ModFn, Any, Any]:
     """`(static, jaxpr, arrays)` of `mod` traced on `probe` (the kernels' block of
     arguments): the arrays it reads are its PyTree leaves, plus, if it closes over traced
@@ -122,7 +139,7 @@ def split_mod(
     hoisted = tuple(i for i, c in enumerate(closed.consts) if isinstance(c, core.Tracer))
     if not hoisted:
         return ModFn(StaticValue(static)), closed, leaves
-    traced = _Traced(closed, hoisted)
+    traced = _Traced(closed, hoisted, varying)
     return ModFn(StaticValue(traced), traced=True), closed, (leaves, [closed.consts[i]
                                                                     for i in hoisted])
 
@@ -170,11 +187,11 @@ def _mixes_elements(jaxpr: Any, tainted: set) -> str | None:
 
 
 def check_score_mod(
-    score_mod: Callable[..., Any], probe: Probe
+    score_mod: Callable[..., Any], probe: Probe, varying: Shape = ()
 ) -> tuple[ModFn, Any]:
     """Split `score_mod` (`split_mod`: `(static, arrays)`), checking it keeps the shape
     and dtype of the scores and is elementwise in them."""
-    fn, closed, arrays = split_mod("score_mod", score_mod, probe)
+    fn, closed, arrays = split_mod("score_mod", score_mod, probe, varying)
     s = probe[0]
     (out,) = closed.out_avals if len(closed.out_avals) == 1 else (None,)
     if out is None or out.shape != s.shape:
@@ -199,11 +216,11 @@ def check_score_mod(
 
 
 def check_mask_mod(
-    mask_mod: Callable[..., Any], probe: Probe, block: Shape
+    mask_mod: Callable[..., Any], probe: Probe, block: Shape, varying: Shape = ()
 ) -> tuple[ModFn, Any]:
     """Split `mask_mod` (`split_mod`: `(static, arrays)`), checking it returns booleans
     that broadcast to a block of shape `block`."""
-    fn, closed, arrays = split_mod("mask_mod", mask_mod, probe)
+    fn, closed, arrays = split_mod("mask_mod", mask_mod, probe, varying)
     avals = closed.out_avals
     if len(avals) != 1 or avals[0].dtype != jnp.bool_:
         got = [str(a.dtype) for a in avals]
@@ -235,16 +252,22 @@ def split_arrays(arrays: Any) -> tuple[Any, Any]:
     return eqx.partition(arrays, eqx.is_inexact_array)
 
 
-def block_probe(groups: int, block_q: int, block_k: int, dtype: Any) -> Probe:
-    """`(scores, batch, head, q_idx, kv_idx)` as the kernels pass them, abstract."""
+def block_probe(groups: int, block_q: int, block_k: int, dtype: Any, varying: Shape = ()
+                ) -> Probe:
+    """`(scores, batch, head, q_idx, kv_idx)` as the kernels pass them, abstract; with
+    `varying` (inside `shard_map(check_vma=True)`), zeros varying over those manual mesh
+    axes, as the kernels' values may."""
     ints = jnp.int32
-    return (
+    probe = (
         jax.ShapeDtypeStruct((groups, block_q, block_k), dtype),
         jax.ShapeDtypeStruct((groups, 1, 1), ints),
         jax.ShapeDtypeStruct((groups, 1, 1), ints),
         jax.ShapeDtypeStruct((1, block_q, 1), ints),
         jax.ShapeDtypeStruct((1, 1, block_k), ints),
     )
+    if not varying:
+        return probe
+    return _vary(tuple(jnp.zeros(x.shape, x.dtype) for x in probe), varying)
 
 
 def mod_indices(
@@ -269,6 +292,16 @@ def apply_mask_mod(
     return jnp.broadcast_to(mods.mask.call(idx, ops.mask_mod_arrays), shape)
 
 
+def varying_axes_of(tree: Any) -> Shape:
+    """The manual mesh axes any array leaf of `tree` varies over (inside `shard_map` with
+    `check_vma=True`), in a fixed order."""
+    axes: set = set()
+    for x in jax.tree.leaves(tree):
+        if isinstance(x, jax.Array):
+            axes |= varying_axes(x)
+    return tuple(sorted(axes, key=str))
+
+
 def grid_indices(
     batch: int, kv_heads: int, groups: int, seq_q: int, seq_k: int
 ) -> tuple[Array, Array, Array, Array]:
@@ -285,21 +318,24 @@ def grid_indices(
 
 def trace_mods(
     score_mod: Callable[..., Any] | None, mask_mod: Callable[..., Any] | None, heads: int,
-    groups: int, block_q: int, block_k: int, dtype: Any,
+    groups: int, block_q: int, block_k: int, dtype: Any, varying: Shape = (),
 ) -> tuple[Mods | None, Operands]:
     """Check and split the modifications for the kernels of a call blocked
     `(block_q, block_k)` whose scores have `dtype`: their static part and the operands
-    holding the arrays they read (`(None, Operands())` without any)."""
+    holding the arrays they read (`(None, Operands())` without any). `varying`: the
+    manual mesh axes the call's arrays vary over (`varying_axes_of`), inside a
+    `shard_map(check_vma=True)`."""
     if score_mod is None and mask_mod is None:
         return None, Operands()
-    probe = block_probe(groups, block_q, block_k, dtype)
+    probe = block_probe(groups, block_q, block_k, dtype, varying)
     score = mask = None
     score_diff = score_const = mask_arrays = None
     if score_mod is not None:
-        score, arrays = check_score_mod(score_mod, probe)
+        score, arrays = check_score_mod(score_mod, probe, varying)
         score_diff, score_const = split_arrays(arrays)
     if mask_mod is not None:
-        mask, mask_arrays = check_mask_mod(mask_mod, probe[1:], (groups, block_q, block_k))
+        mask, mask_arrays = check_mask_mod(mask_mod, probe[1:], (groups, block_q, block_k),
+                                           varying)
     return Mods(score, mask, heads), Operands(
         score_mod_arrays=score_diff, score_mod_consts=score_const, mask_mod_arrays=mask_arrays)
 
