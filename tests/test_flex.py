@@ -205,8 +205,8 @@ class _BlockCounter:
     every kernel is traced with it)."""
 
     def __init__(self, monkeypatch):
-        from eqx_flash._kernels import backward as _backward
-        from eqx_flash._kernels import forward as _forward
+        from eqx_flash._kernels.xla import backward as _backward
+        from eqx_flash._kernels.xla import forward as _forward
 
         self.counts = {"forward": 0, "backward": 0}
         for name, module, tile in (("forward", _forward, "_forward_tile"),

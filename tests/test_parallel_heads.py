@@ -11,7 +11,7 @@ import pytest
 from helpers import qkv
 
 import eqx_flash
-from eqx_flash._kernels import heads
+from eqx_flash._kernels.xla import heads
 
 
 def _results(q, k, v, **kw):

@@ -61,8 +61,8 @@ from .._core.types import (
     Value,
     WindowLike,
 )
-from .._kernels.forward import forward
-from .._kernels.split_k import split_k_applies, split_k_forward
+from .._kernels.xla.forward import forward
+from .._kernels.xla.split_k import split_k_applies, split_k_forward
 from .._mods.block_mask import BlockMask, block_flags_for, derived_flags
 from .._mods.tracing import trace_mods
 from .._semantics.masking import valid_rows

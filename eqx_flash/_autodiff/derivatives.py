@@ -6,8 +6,8 @@ forward kernel) is a `jax.custom_jvp` (symbolic zeros on), and its JVP rule retu
 - the primal by calling the `custom_jvp` function itself (so any outer transform re-enters
   this rule), and
 - the tangent through the linear primitive (`linear.linear_p`), whose forward evaluation
-  is the tangent kernel (`_kernels.tangent`) and whose transpose is the backward kernel
-  (`_kernels.backward`). So `jax.jvp` runs the forward and tangent kernels, and
+  is the tangent kernel (`_kernels.xla.tangent`) and whose transpose is the backward kernel
+  (`_kernels.xla.backward`). So `jax.jvp` runs the forward and tangent kernels, and
   `jax.grad`, which linearises through this rule and transposes the linear primitive,
   runs the forward and backward kernels.
 
@@ -23,7 +23,7 @@ order (Hessian-vector products, `jax.hessian`, gradients of gradients and of tan
 Where the tangents are only pushed forward (`jax.jvp`, not transposed), running the
 forward kernel and then the tangent kernel forms every logit block twice. So the rule
 binds `one_pass_p` instead, whose evaluation is the one-pass kernel
-(`_kernels.tangent.forward_and_tangent`, a jvp at about 3.0 forwards against 3.5). Every
+(`_kernels.xla.tangent.forward_and_tangent`, a jvp at about 3.0 forwards against 3.5). Every
 other transformation of it replays the two-pass decomposition above (`_two_pass`):
 partial evaluation (`jax.linearize`, `jax.grad`, `jax.checkpoint`) gets the forward as
 the known part and the linear primitive as the unknown one, exactly as before; its JVP
@@ -47,7 +47,7 @@ from jax.interpreters import partial_eval as pe
 from .._core.compat import set_current_trace, unsharded
 from .._core.config import KernelConfig, stat_dtype
 from .._core.operands import Operands, combine
-from .._kernels.split_k import split_k_applies
+from .._kernels.xla.split_k import split_k_applies
 from .._semantics.masking import valid_rows
 from .batching import batch_by_map
 from .linear import linear

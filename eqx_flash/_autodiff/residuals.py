@@ -21,8 +21,8 @@ from jaxtyping import Array
 
 from .._core.config import KernelConfig
 from .._core.operands import Operands, combine, replace
-from .._kernels.backward import backward, backward_statistics
-from .._kernels.tangent import forward_and_tangent, tangent
+from .._kernels.xla.backward import backward, backward_statistics
+from .._kernels.xla.tangent import forward_and_tangent, tangent
 
 
 class Residuals(NamedTuple):

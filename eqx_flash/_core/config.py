@@ -49,7 +49,7 @@ def wants_fine_blocks(ops: Operands, mask_mod: bool) -> bool:
 
 def single_cpu_device() -> bool:
     """Whether JAX runs on one CPU device: the kernels then loop over heads, each block
-    product a 2-d GEMM on every core (`_kernels.heads.heads_in_parallel`), which the large
+    product a 2-d GEMM on every core (`_kernels.xla.heads.heads_in_parallel`), which the large
     default blocks are tuned for. Several host devices share the cores with heads mapped
     by `vmap`, where the large blocks measured slower (Ulysses on 4 host devices, causal
     fwd+bwd: 1.12-1.15x); there, and on accelerators, the fine blocks are the defaults."""
@@ -105,7 +105,7 @@ class KernelConfig:
     # and run-time limits (`_kernels.schedule.position_limits`) narrow it.
     positions: bool = False
     # Flash-decoding: > 1 splits the key blocks into this many parallel runs whose partial
-    # results are merged by their lse (`_kernels.split_k`); 1 is the regular forward.
+    # results are merged by their lse (`_kernels.xla.split_k`); 1 is the regular forward.
     splits: int = 1
     # The static parts of `score_mod`/`mask_mod` (a hashable `_mods.tracing.Mods`); None
     # without them.
@@ -190,7 +190,7 @@ def stat_dtype(dtype) -> jnp.dtype:
     return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.float32)
 
 
-# Flash-decoding (`_kernels.split_k`): a call with at most this many queries against at least
+# Flash-decoding (`_kernels.xla.split_k`): a call with at most this many queries against at least
 # `SPLIT_K_MIN_BLOCKS` key blocks splits its key blocks into parallel runs.
 SPLIT_K_MAX_Q = 16
 SPLIT_K_MIN_BLOCKS = 2

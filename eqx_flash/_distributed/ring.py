@@ -55,8 +55,8 @@ from .._core.types import (
     Value,
     WindowLike,
 )
-from .._kernels.backward import backward, backward_statistics
-from .._kernels.forward import forward
+from .._kernels.xla.backward import backward, backward_statistics
+from .._kernels.xla.forward import forward
 from .._mods.block_mask import BlockMask
 from .._mods.tracing import trace_mods
 from .._semantics import softmax

@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from .._core.config import KernelConfig, stat_dtype
-from .._core.operands import (
+from ..._core.config import KernelConfig, stat_dtype
+from ..._core.operands import (
     Operands,
     differentiable_part,
     map_fields,
@@ -35,11 +35,11 @@ from .._core.operands import (
     replace,
     zeros_for,
 )
-from .._mods.tracing import apply_score_mod
-from .._semantics.score_terms import accumulate
-from .._semantics.softmax import finite_lse
+from ..._mods.tracing import apply_score_mod
+from ..._semantics.score_terms import accumulate
+from ..._semantics.softmax import finite_lse
+from ..schedule import Bands, Limits, band_ranges, over_band, run_limits
 from .heads import Head, per_head
-from .schedule import Bands, Limits, band_ranges, over_band, run_limits
 from .tile import (
     dropout_multiplier,
     folds_scale,

@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from .._core.config import single_cpu_device
-from .._core.operands import Operands, combine, per_head_part
-from .._semantics.dropout import flat_head_index
+from ..._core.config import single_cpu_device
+from ..._core.operands import Operands, combine, per_head_part
+from ..._semantics.dropout import flat_head_index
 
 
 class Head(NamedTuple):

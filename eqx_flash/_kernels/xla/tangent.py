@@ -37,13 +37,13 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from .._core.config import KernelConfig, stat_dtype
-from .._core.operands import Operands, combine, constant_part, replace
-from .._mods.tracing import apply_score_mod
-from .._semantics import softmax
-from .._semantics.softmax import finite_lse
+from ..._core.config import KernelConfig, stat_dtype
+from ..._core.operands import Operands, combine, constant_part, replace
+from ..._mods.tracing import apply_score_mod
+from ..._semantics import softmax
+from ..._semantics.softmax import finite_lse
+from ..schedule import Bands, Limits, band_ranges, over_band, run_limits
 from .heads import Head, per_head
-from .schedule import Bands, Limits, band_ranges, over_band, run_limits
 from .tile import (
     attended_values,
     dropout_multiplier,

@@ -18,11 +18,11 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from .._core.config import KernelConfig, stat_dtype
-from .._core.operands import Operands, padded
-from .._semantics import softmax
+from ..._core.config import KernelConfig, stat_dtype
+from ..._core.operands import Operands, padded
+from ..._semantics import softmax
+from ..schedule import band_ranges, run_limits
 from .heads import Head, Rows, per_head
-from .schedule import band_ranges, run_limits
 from .tile import (
     allowed,
     attended_values,

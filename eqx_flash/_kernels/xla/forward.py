@@ -17,11 +17,11 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from .._core.config import KernelConfig, stat_dtype
-from .._core.operands import Operands
-from .._semantics import softmax
+from ..._core.config import KernelConfig, stat_dtype
+from ..._core.operands import Operands
+from ..._semantics import softmax
+from ..schedule import Bands, Limits, band_ranges, over_band, run_limits
 from .heads import Head, per_head
-from .schedule import Bands, Limits, band_ranges, over_band, run_limits
 from .tile import (
     attended_values,
     dropout_multiplier,

@@ -14,12 +14,12 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from .._core.compat import varying_axes
-from .._core.config import KernelConfig, stat_dtype
-from .._core.operands import Operands
-from .._mods.tracing import apply_mask_mod, apply_score_mod, mod_indices
-from .._semantics.dropout import dropout_keep
-from .._semantics.masking import (
+from ..._core.compat import varying_axes
+from ..._core.config import KernelConfig, stat_dtype
+from ..._core.operands import Operands
+from ..._mods.tracing import apply_mask_mod, apply_score_mod, mod_indices
+from ..._semantics.dropout import dropout_keep
+from ..._semantics.masking import (
     data_mask,
     length_mask,
     length_window,
@@ -27,7 +27,7 @@ from .._semantics.masking import (
     position_mask,
     positional_mask,
 )
-from .._semantics.score_terms import additive, block_indices
+from ..._semantics.score_terms import additive, block_indices
 from .heads import Head
 
 
