@@ -396,12 +396,14 @@ def test_ring_second_order_raises_clearly():
 def test_decoding_shapes_take_the_split_k_path_at_second_order(monkeypatch):
     """One query against a long cache with valid lengths (the split-K decoding kernel,
     checked to run): an HVP and a gradient of a gradient as plain_attention's."""
-    import eqx_flash._api.flash as flash_module
+    from eqx_flash._kernels import dispatch
 
     calls = []
-    split_k_forward = flash_module.split_k_forward
-    monkeypatch.setattr(flash_module, "split_k_forward",
-                        lambda *args: (calls.append(1), split_k_forward(*args))[1])
+    xla = dispatch.FAMILIES["xla"]
+    split_k_forward = xla.split_k_forward
+    assert split_k_forward is not None
+    monkeypatch.setitem(dispatch.FAMILIES, "xla", xla._replace(
+        split_k_forward=lambda *args: (calls.append(1), split_k_forward(*args))[1]))
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.standard_normal((2, 4, 1, 16)), jnp.float32)
     k = jnp.asarray(rng.standard_normal((2, 2, 2048, 16)), jnp.float32)

@@ -1,8 +1,8 @@
 """Blockwise backward kernel: recomputes each scheduled block from q, k, v and lse.
 
 A pure function of its inputs: the derivative rule prepares what it needs
-(`backward_statistics`: the softmax-backward `delta` and an lse without -inf), as in
-Pallas' attention kernels.
+(`_semantics.softmax.backward_statistics`: the softmax-backward `delta` and an lse
+without -inf), as in Pallas' attention kernels.
 
 Per kv head (`heads.per_head`), key blocks are the outer loop: a key block's dk and dv
 stay in the carry of an inner loop over its band of query blocks and are emitted once;
@@ -37,7 +37,6 @@ from ..._core.operands import (
 )
 from ..._mods.tracing import apply_score_mod
 from ..._semantics.score_terms import accumulate
-from ..._semantics.softmax import finite_lse
 from ..schedule import Bands, Limits, band_ranges, over_band, run_limits
 from .heads import Head, per_head
 from .tile import (
@@ -52,16 +51,6 @@ from .tile import (
     transposed,
     visit,
 )
-
-
-def backward_statistics(out: Array, lse: Array, d_out: Array, d_lse: Array
-                        ) -> tuple[Array, Array]:
-    """`(lse, delta)` for `backward`: lse with -inf made finite (`finite_lse`), and
-    `delta = rowsum(dO * O) - d_lse` in the statistics dtype. (d lse / d s is the
-    softmax, so an lse cotangent just shifts the softmax-backward delta.)"""
-    stat = stat_dtype(out.dtype)
-    delta = jnp.sum(d_out.astype(stat) * out.astype(stat), axis=-1) - d_lse.astype(stat)
-    return finite_lse(lse), delta
 
 
 class _QueryBlocks(NamedTuple):
@@ -107,7 +96,7 @@ def backward(
     wanted: Operands,
 ) -> tuple[Array, Array, Array, Operands]:
     """Cotangents of q, k, v and of the differentiable operands, given `lse` and `delta`
-    from `backward_statistics` and the cotangent `d_out` of `out`.
+    from `_semantics.softmax.backward_statistics` and the cotangent `d_out` of `out`.
 
     `wanted` is `differentiable_part(ops)` with a bool per leaf: whether its cotangent
     is needed. Only those are accumulated (a constant bias costs no reduction per block,
@@ -119,7 +108,8 @@ def backward(
         ops = replace(ops, score_mod_arrays=free,
                       score_mod_consts=eqx.combine(frozen, ops.score_mod_consts))
     kernel = functools.partial(_backward_head, cfg, band_ranges(cfg, by="k"), wanted)
-    d_q, d_k, d_v, d_ops = per_head(kernel, ops, (q, k, v, d_out, lse, delta))
+    d_q, d_k, d_v, d_ops = per_head(kernel, ops, (q, k, v, d_out, lse, delta),
+                                    parallel=cfg.parallel_heads)
     # Per-(batch, kv head) cotangents, summed where the operand broadcast over them.
     return d_q, d_k, d_v, map_fields(reduce_to, d_ops, differentiable_part(ops))
 

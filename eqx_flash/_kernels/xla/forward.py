@@ -55,7 +55,7 @@ def forward(cfg: KernelConfig, q: Array, k: Array, v: Array, ops: Operands
     statistics dtype (both -inf for rows with no key). The max costs one row of
     statistics per block and is dropped by XLA when unused."""
     kernel = functools.partial(_forward_head, cfg, band_ranges(cfg, by="q"))
-    return per_head(kernel, ops, (q, k, v))
+    return per_head(kernel, ops, (q, k, v), parallel=cfg.parallel_heads)
 
 
 def _forward_head(cfg: KernelConfig, bands: Bands, head: Head, arrays: tuple[Array, ...]

@@ -84,7 +84,8 @@ def tangent(
     has = tuple(t is not None for t in (dq, dk, dv))
     kernel = functools.partial(_tangent_head, cfg, band_ranges(cfg, by="q"), has)
     tangents = tuple(t for t in (dq, dk, dv) if t is not None)
-    return per_head(kernel, ops, (q, k, v, out, lse, *tangents), tangents=d_ops)
+    return per_head(kernel, ops, (q, k, v, out, lse, *tangents), tangents=d_ops,
+                    parallel=cfg.parallel_heads)
 
 
 def _tangent_inputs(cfg: KernelConfig, head: Head, q, k, v, dq, dk, dv) -> _TangentHead:
@@ -253,7 +254,8 @@ def forward_and_tangent(
     has = tuple(t is not None for t in (dq, dk, dv))
     kernel = functools.partial(_one_pass_head, cfg, band_ranges(cfg, by="q"), has)
     tangents = tuple(t for t in (dq, dk, dv) if t is not None)
-    return per_head(kernel, ops, (q, k, v, *tangents), tangents=d_ops)
+    return per_head(kernel, ops, (q, k, v, *tangents), tangents=d_ops,
+                    parallel=cfg.parallel_heads)
 
 
 class _OnePass(NamedTuple):
