@@ -615,7 +615,8 @@ def test_block_mask_schedule_follows_the_band():
     from eqx_flash._core.config import KernelConfig
     from eqx_flash._core.operands import Operands
     from eqx_flash._core.options import Window
-    from eqx_flash._kernels.schedule import band_ranges, over_band, run_limits
+    from eqx_flash._kernels.schedule import band_ranges, run_limits
+    from eqx_flash._kernels.xla.loops import over_band
 
     causal = lambda b, h, i, j: j <= i + OFFSET  # noqa: E731
     flags = make_block_mask(causal, (), 1, SQ, SK, **BLOCKS).flags.reshape(1, 3, 3)

@@ -29,6 +29,7 @@ from jaxtyping import Array
 from ..._core.config import KernelConfig, stat_dtype
 from ..._core.operands import (
     Operands,
+    add_block,
     differentiable_part,
     map_fields,
     reduce_to,
@@ -36,9 +37,10 @@ from ..._core.operands import (
     zeros_for,
 )
 from ..._mods.tracing import apply_score_mod
-from ..._semantics.score_terms import accumulate
-from ..schedule import Bands, Limits, band_ranges, over_band, run_limits
+from ..._semantics.score_terms import cotangents
+from ..schedule import Bands, Limits, band_ranges, run_limits
 from .heads import Head, per_head
+from .loops import over_band
 from .tile import (
     dropout_multiplier,
     folds_scale,
@@ -47,6 +49,7 @@ from .tile import (
     scaled,
     score_terms,
     tile_mod_indices,
+    tile_operands,
     tile_positions,
     transposed,
     visit,
@@ -244,8 +247,9 @@ def _backward_tile(
     if head.operands.has_score_terms:  # ds is the cotangent of the score terms too
         d_scores_t = ds.reshape(cfg.block_k, inputs.groups, cfg.block_q)  # no copy
         q_pos, k_pos = tile_positions(cfg, q_start, block.start)
-        d_ops = accumulate(d_ops, head.operands, d_scores_t, q_start, block.start, q_pos,
-                           k_pos, cfg.score_offset)
+        blk = tile_operands(cfg, head.operands, q_start, block.start)
+        parts = cotangents(blk, d_ops, d_scores_t, q_pos, k_pos, cfg.score_offset)
+        d_ops = add_block(d_ops, parts, q_start, block.start)
     ds = ds.astype(inputs.dtype)
     # dk against the scaled queries is exact; dq is scaled once at the end.
     dk_b = dk_b + jnp.matmul(ds, query.q_rows[i], preferred_element_type=stat)

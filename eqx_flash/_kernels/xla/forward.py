@@ -2,7 +2,7 @@
 
 Per kv head (`heads.per_head`), an outer scan over query blocks; each query block's
 running statistics (`_semantics.softmax.Running`) live in the carry of an inner loop over
-its band of key blocks (`schedule.over_band`), so no state is written back to a
+its band of key blocks (`loops.over_band`), so no state is written back to a
 full-size array between blocks. Inputs are in the internal layout (`_core.shapes`),
 padded to whole blocks. No validation here.
 
@@ -20,8 +20,9 @@ from jaxtyping import Array
 from ..._core.config import KernelConfig, stat_dtype
 from ..._core.operands import Operands
 from ..._semantics import softmax
-from ..schedule import Bands, Limits, band_ranges, over_band, run_limits
+from ..schedule import Bands, Limits, band_ranges, run_limits
 from .heads import Head, per_head
+from .loops import over_band
 from .tile import (
     attended_values,
     dropout_multiplier,

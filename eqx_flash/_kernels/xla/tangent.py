@@ -2,7 +2,7 @@
 tangents of q, k, v and of the differentiable operands, given the forward's `out` and
 `lse`.
 
-It walks the forward's band schedule (`schedule.band_ranges`, `schedule.over_band`), so
+It walks the forward's block plan (`schedule.band_ranges`, `loops.over_band`), so
 nothing of size seq_q x seq_k is stored. Per query row, with `P = exp(S - lse)` the
 softmax over the attended keys, `S` the logits as the forward forms them and `M` the
 dropout multiplier (`keep / (1 - rate)`, or 1):
@@ -42,8 +42,9 @@ from ..._core.operands import Operands, combine, constant_part, replace
 from ..._mods.tracing import apply_score_mod
 from ..._semantics import softmax
 from ..._semantics.softmax import finite_lse
-from ..schedule import Bands, Limits, band_ranges, over_band, run_limits
+from ..schedule import Bands, Limits, band_ranges, run_limits
 from .heads import Head, per_head
+from .loops import over_band
 from .tile import (
     attended_values,
     dropout_multiplier,
