@@ -14,6 +14,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from .options import Window
+from .shapes import ceil_div
 
 # Tuned on a 2-core x86-64 CPU: benchmarks/tune_blocks.py, result in benchmarks/tune_blocks.md.
 # Large blocks run XLA's CPU GEMM nearer its peak: at seq 4096 the block products alone run
@@ -120,8 +121,8 @@ class KernelConfig:
     @property
     def padded_seq(self) -> tuple[int, int]:
         """`(seq_q, seq_k)` rounded up to whole blocks: the kernels' array lengths."""
-        return (-(-self.seq_q // self.block_q) * self.block_q,
-                -(-self.seq_k // self.block_k) * self.block_k)
+        return (ceil_div(self.seq_q, self.block_q) * self.block_q,
+                ceil_div(self.seq_k, self.block_k) * self.block_k)
 
     @property
     def band_window(self) -> Window:

@@ -208,11 +208,6 @@ def pad_axis(x: Array, axis: int, size: int) -> Array:
     return jnp.pad(x, widths)
 
 
-def whole_blocks(n: int, block: int) -> int:
-    """`n` rounded up to a multiple of `block`."""
-    return -(-n // block) * block
-
-
 def padded(ops: Operands, seq_q: int | None, seq_k: int | None) -> Operands:
     """The `GRID` operands padded along their sequence axes (-2, -1) to `seq_q`, `seq_k`
     (None: that axis as it is). Padding is never attended: the kernels mask it by

@@ -39,6 +39,12 @@ class Shapes:
         return (*self.batch_shape, self.heads) if self.has_heads_axis else ()
 
 
+def ceil_div(n, block):
+    """`n / block` rounded up (ints or integer arrays): how many blocks of `block` hold
+    `n`."""
+    return -(-n // block)
+
+
 def shapes_of(q: Array, k: Array, v: Array) -> Shapes:
     """Read the problem's sizes, raising on inconsistent shapes (names and values shown)."""
     for name, x in (("q", q), ("k", k), ("v", v)):

@@ -22,6 +22,7 @@ from jaxtyping import Array
 from .._core.config import KernelConfig
 from .._core.operands import Operands
 from .._core.options import Window
+from .._core.shapes import ceil_div
 from .._mods.block_mask import EMPTY, FULL, PARTIAL
 from .._semantics.masking import length_window, lengths_or, window_overlap
 
@@ -32,8 +33,7 @@ def static_flags(
     """`int8[num_q_blocks, num_k_blocks]`: `EMPTY`, `PARTIAL` or `FULL` per block pair,
     for query rows at aligned positions `i + offset` (see `KernelConfig`) against
     `seq_k` keys (a block holding key padding is never whole)."""
-    num_q = -(-seq_q // block_q)
-    num_k = -(-seq_k // block_k)
+    num_q, num_k = ceil_div(seq_q, block_q), ceil_div(seq_k, block_k)
     qb, kb = np.meshgrid(np.arange(num_q), np.arange(num_k), indexing="ij")
     # Aligned positions p of the first and last real query row of each block.
     p_first = qb * block_q + offset
@@ -222,8 +222,8 @@ def length_limits(cfg: KernelConfig, ops: Operands, by: str) -> tuple[Array, Arr
     q_len, kv_len = (jnp.asarray(x, jnp.int32).reshape(())
                      for x in lengths_or(ops, cfg.seq_q, cfg.seq_k))
     offset = kv_len - q_len  # query i sits at p = i + offset
-    q_first = jnp.arange(-(-cfg.seq_q // cfg.block_q), dtype=jnp.int32) * cfg.block_q
-    k_first = jnp.arange(-(-cfg.seq_k // cfg.block_k), dtype=jnp.int32) * cfg.block_k
+    q_first = jnp.arange(ceil_div(cfg.seq_q, cfg.block_q), dtype=jnp.int32) * cfg.block_q
+    k_first = jnp.arange(ceil_div(cfg.seq_k, cfg.block_k), dtype=jnp.int32) * cfg.block_k
     q_last = jnp.minimum(q_first + cfg.block_q, q_len) - 1
     k_last = jnp.minimum(k_first + cfg.block_k, kv_len) - 1
     real = (q_first < q_len)[:, None] & (k_first < kv_len)[None, :]

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from ..._core.config import KernelConfig, choose_block, default_blocks
 from ..._core.operands import Operands
+from ..._core.shapes import ceil_div
 from ..contract import Call, Machine
 
 # Flash-decoding (`split_k`): a call with at most this many queries against at least
@@ -101,7 +102,7 @@ def num_splits(cfg: KernelConfig) -> int:
     """How many parallel runs the key blocks of `cfg` are split into: `SPLIT_K_MAX_SPLITS` (at
     most one per key block) when `seq_q <= SPLIT_K_MAX_Q` and there are at least
     `SPLIT_K_MIN_BLOCKS` key blocks, else 1 (the regular forward)."""
-    num_k = -(-cfg.seq_k // cfg.block_k)
+    num_k = ceil_div(cfg.seq_k, cfg.block_k)
     if cfg.seq_q > SPLIT_K_MAX_Q or num_k < SPLIT_K_MIN_BLOCKS:
         return 1
     return min(SPLIT_K_MAX_SPLITS, num_k)
@@ -113,6 +114,6 @@ def split_k_config(cfg: KernelConfig) -> KernelConfig:
     splits = num_splits(cfg)
     if splits == 1:
         return cfg
-    rounds = -(-cfg.seq_k // (splits * cfg.block_k))
-    block_k = -(-cfg.seq_k // (splits * rounds))
+    rounds = ceil_div(cfg.seq_k, splits * cfg.block_k)
+    block_k = ceil_div(cfg.seq_k, splits * rounds)
     return dataclasses.replace(cfg, splits=splits, block_k=block_k)

@@ -27,6 +27,7 @@ from jaxtyping import Array
 
 from ..._core.config import KernelConfig, stat_dtype
 from ..._core.operands import Operands, padded
+from ..._core.shapes import ceil_div
 from ..._semantics import softmax
 from ..schedule import band_ranges, run_limits
 from .heads import Head, Rows, per_head
@@ -106,7 +107,7 @@ def _split_k_head(
             acc = softmax.poison(alpha[..., None] * state.acc + pv, reaches_nonfinite)
             return softmax.Running(acc, row_max, row_sum)
 
-        state = jax.lax.fori_loop(lo[i] // lanes, -(-hi[i] // lanes), one_round, state)
+        state = jax.lax.fori_loop(lo[i] // lanes, ceil_div(hi[i], lanes), one_round, state)
         out, lse = softmax.finish(*state)  # per lane: (lanes, g, bq, dv), (lanes, g, bq)
         max_score = jnp.max(softmax.max_score(state.row_max, state.row_sum), axis=0)
         return None, (*softmax.merge_all(out, lse, axis=0), max_score)
