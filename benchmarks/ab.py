@@ -5,7 +5,7 @@
 
 With 4 or more devices, `sharded_flash_attention` joins the list (each strategy, causal
 fwd+bwd, the sequence over 4 devices); the single-device configurations then map heads
-with `vmap` (`_kernels.heads.heads_in_parallel`), so compare those without the flag.
+with `vmap` (`_kernels.xla.policy.heads_in_parallel`), so compare those without the flag.
 
 Machines here are shared and noisy, so "before" and "after" numbers from two runs are not
 comparable. This extracts the package at `--base` into a temporary directory under another

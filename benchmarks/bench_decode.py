@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import eqx_flash._core.config as config
+import eqx_flash._kernels.xla.policy as policy
 from eqx_flash import flash_attention
 
 
@@ -66,11 +66,11 @@ def decode(lengths: list[int], rounds: int) -> None:
         v = jax.random.normal(keys[2], (1, 2, n, 64))
         valid = jnp.array([n // 2], jnp.int32)
         split = jax.jit(lambda q, k, v, n: flash_attention(q, k, v, kv_lengths=n)[0])
-        old = config.SPLIT_K_MAX_Q
-        config.SPLIT_K_MAX_Q = 0  # the regular path, compiled now
+        old = policy.SPLIT_K_MAX_Q
+        policy.SPLIT_K_MAX_Q = 0  # the regular path, compiled now
         regular = jax.jit(lambda q, k, v, n: flash_attention(q, k, v, kv_lengths=n)[0])
         jax.block_until_ready(regular(q, k, v, valid))
-        config.SPLIT_K_MAX_Q = old
+        policy.SPLIT_K_MAX_Q = old
 
         def xla(q, k, v, n):
             # jax.nn wants (batch, seq, heads, dim)

@@ -105,6 +105,93 @@ def qkv(key, q_shape, k_shape, dim_v=None, dtype=jnp.float32):
     return normal(kq, q_shape, dtype), normal(kk, k_shape, dtype), normal(kv, v_shape, dtype)
 
 
+def oracle_attention(q, k, v, mask=None, *, causal=False, window=None, scale=None,
+                     softcap=None, bias=None, alibi_slopes=None, sinks=None,
+                     q_segment_ids=None, kv_segment_ids=None, q_lengths=None,
+                     kv_lengths=None, q_positions=None, kv_positions=None, xp=np):
+    """Attention written out from its definition, independently of the package: `(out,
+    lse, max_scores)`, materialising every score. The tests' one oracle.
+
+    `xp=np` (the default): NumPy in float64, whatever the inputs (no x64 mode needed), a
+    float64 truth. `xp=jnp`: jax.numpy in the inputs' dtype, differentiable to any order
+    (pass float64 under `enable_x64` for a float64 truth of the derivatives).
+
+    Keywords as `flash_attention`'s, in one layout: q `(B, H, SQ, D)`, k and v `(B, KH,
+    SK, D|DV)` (GQA by repeating k and v); `mask`, `kv_segment_ids`, `kv_positions` `(B,
+    SK)`; `q_segment_ids`, `q_positions` `(B, SQ)`; lengths `(B,)` (or lists); slopes and
+    sinks broadcastable to `(B, H)`; bias broadcastable to `(B, H, SQ, SK)`. The score is `scale * q.k +
+    bias - slope * |p - j|`, soft-capped; causal and the window are around `p = i +
+    kv_len - q_len` (bottom-right on the valid lengths; ALiBi on the full lengths, `p =
+    i + SK - SQ`), or, with positions, around the query's position with ALiBi on
+    `|q_pos - kv_pos|` and the lengths marking padding only. Sinks join each row's
+    denominator (not its max score). A row that attends nothing gives `out = 0`, `lse =
+    -inf` (the sink with sinks) and max score -inf, with zero derivatives."""
+    if xp is np:
+        def cast(x, dtype=None):
+            return None if x is None else np.asarray(x, dtype)
+        q, k, v, bias, alibi_slopes, sinks = (cast(x, np.float64) for x in (
+            q, k, v, bias, alibi_slopes, sinks))
+        stop_gradient = cast
+    else:
+        def cast(x, dtype=None):
+            return None if x is None else jnp.asarray(x, dtype)
+        stop_gradient = jax.lax.stop_gradient
+    (mask, q_segment_ids, kv_segment_ids, q_lengths, kv_lengths, q_positions,
+     kv_positions) = (cast(x) for x in (mask, q_segment_ids, kv_segment_ids, q_lengths,
+                                        kv_lengths, q_positions, kv_positions))
+    batch, heads, seq_q, dim = q.shape
+    seq_k = k.shape[2]
+    groups = heads // k.shape[1]
+    k, v = xp.repeat(k, groups, axis=1), xp.repeat(v, groups, axis=1)
+    scale = 1 / np.sqrt(dim) if scale is None else scale
+    s = xp.einsum("bhqd,bhkd->bhqk", q, k) * scale
+    i = xp.arange(seq_q).reshape(1, 1, -1, 1)
+    j = xp.arange(seq_k).reshape(1, 1, 1, -1)
+    q_len = xp.full((batch, 1, 1, 1), seq_q) if q_lengths is None else q_lengths.reshape(
+        -1, 1, 1, 1)
+    kv_len = xp.full((batch, 1, 1, 1), seq_k) if kv_lengths is None else kv_lengths.reshape(
+        -1, 1, 1, 1)
+    if q_positions is not None:
+        p, key = q_positions[:, None, :, None], kv_positions[:, None, None, :]
+        distance = xp.abs(p - key)
+    else:
+        p, key = i + (kv_len - q_len), j
+        distance = xp.abs(i + (seq_k - seq_q) - j)
+    if bias is not None:
+        s = s + xp.broadcast_to(bias, s.shape)
+    if alibi_slopes is not None:
+        s = s - alibi_slopes[None, :, None, None] * distance.astype(s.dtype)
+    if softcap is not None:
+        s = softcap * xp.tanh(s / softcap)
+    left, right = (window, window) if isinstance(window, int) else (window or (None, None))
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    allowed = (i < q_len) & (j < kv_len)
+    if left is not None:
+        allowed = allowed & (key >= p - left)
+    if right is not None:
+        allowed = allowed & (key <= p + right)
+    if mask is not None:
+        allowed = allowed & mask.astype(bool)[:, None, None, :]
+    if q_segment_ids is not None:
+        allowed = allowed & (q_segment_ids[:, None, :, None] == kv_segment_ids[:, None, None, :])
+    allowed = xp.broadcast_to(allowed, s.shape)
+    max_scores = xp.where(allowed, s, -xp.inf).max(axis=-1)
+    if sinks is not None:  # broadcastable to (B, H)
+        sinks = xp.broadcast_to(sinks, s.shape[:2])[:, :, None]
+    top = max_scores if sinks is None else xp.maximum(max_scores, sinks)
+    top = stop_gradient(xp.where(xp.isfinite(top), top, 0.0))
+    e = xp.where(allowed, xp.exp(xp.where(allowed, s, 0.0) - top[..., None]), 0.0)
+    total = e.sum(axis=-1)
+    if sinks is not None:
+        total = total + xp.exp(sinks - top)
+    some = total > 0
+    safe = xp.where(some, total, 1.0)
+    out = xp.einsum("bhqk,bhkd->bhqd", e / safe[..., None], v)
+    lse = xp.where(some, xp.log(safe) + top, -xp.inf)
+    return out, lse, stop_gradient(max_scores)
+
+
 def linear_in_outputs(out, lse, w_out, w_lse):
     """`sum(w_out * out) + sum(w_lse * lse over its finite entries)`, in at least float32:
     a random linear function of both outputs, so that both cotangents are exercised."""

@@ -205,8 +205,8 @@ class _BlockCounter:
     every kernel is traced with it)."""
 
     def __init__(self, monkeypatch):
-        from eqx_flash._kernels import backward as _backward
-        from eqx_flash._kernels import forward as _forward
+        from eqx_flash._kernels.xla import backward as _backward
+        from eqx_flash._kernels.xla import forward as _forward
 
         self.counts = {"forward": 0, "backward": 0}
         for name, module, tile in (("forward", _forward, "_forward_tile"),
@@ -644,15 +644,15 @@ def test_failing_score_mod_names_itself():
 def test_block_mask_schedule_follows_the_band():
     """With a block_mask, each outer block visits its flagged blocks, whole ones without
     masks: for causal, exactly `causal=True`'s band, with the same blocks whole."""
-    from eqx_flash._core.config import kernel_config
+    from eqx_flash._core.config import KernelConfig
     from eqx_flash._core.operands import Operands
-    from eqx_flash._core.options import Window, make_options
-    from eqx_flash._core.shapes import Shapes
-    from eqx_flash._kernels.schedule import band_ranges, over_band, run_limits
+    from eqx_flash._core.options import Window
+    from eqx_flash._kernels.schedule import band_ranges, run_limits
+    from eqx_flash._kernels.xla.loops import over_band
 
     causal = lambda b, h, i, j: j <= i + OFFSET  # noqa: E731
     flags = make_block_mask(causal, (), 1, SQ, SK, **BLOCKS).flags.reshape(1, 3, 3)
-    cfg = kernel_config(make_options(**BLOCKS), Shapes((), 1, 1, SQ, SK, 8, 8, False))
+    cfg = KernelConfig(SQ, SK, BLOCKS["block_q"], BLOCKS["block_k"], Window(), scale=1.0)
     for by in ("q", "k"):
         limits = run_limits(cfg, Operands(block_flags=flags), by)
         unmasked = band_ranges(cfg, by=by)  # no static band

@@ -129,11 +129,13 @@ def test_fully_masked_rows():
 @pytest.fixture(params=["cpu_float32", "native"])
 def low_precision_path(request, monkeypatch):
     """Both ways low-precision inputs can run: on CPU the kernels compute in float32
-    (`_config.kernel_dtype`); accelerators keep the input dtype, which this forces."""
+    (`_kernels.xla.policy.kernel_dtype`); accelerators keep the input dtype, which this
+    forces."""
     from eqx_flash._api import flash as _flash
+    from eqx_flash._kernels.xla import policy
 
     if request.param == "native":
-        monkeypatch.setattr(_flash, "kernel_dtype", jnp.dtype)
+        monkeypatch.setattr(policy, "kernel_dtype", lambda dtype, backend: jnp.dtype(dtype))
     _flash._blockwise.clear_cache()  # the dtype is chosen while tracing
     yield request.param
     _flash._blockwise.clear_cache()

@@ -241,18 +241,21 @@ def test_decode_path_matches_reference(seq_q, options):
 def test_decode_path_is_taken(monkeypatch):
     """Few queries against many key blocks run `split_k_forward` (flash-decoding), others
     the regular forward."""
-    import eqx_flash._api.flash as flash_module
-    from eqx_flash._core.config import SPLIT_K_MAX_Q, KernelConfig, num_splits
+    from eqx_flash._core.config import KernelConfig
     from eqx_flash._core.options import Window
+    from eqx_flash._kernels import dispatch
+    from eqx_flash._kernels.xla.policy import SPLIT_K_MAX_Q, num_splits
 
     calls = []
-    original = flash_module.split_k_forward
+    xla = dispatch.FAMILIES["xla"]
+    original = xla.split_k_forward
+    assert original is not None
 
     def spy(cfg, *args):
         calls.append(cfg)
         return original(cfg, *args)
 
-    monkeypatch.setattr(flash_module, "split_k_forward", spy)
+    monkeypatch.setitem(dispatch.FAMILIES, "xla", xla._replace(split_k_forward=spy))
     jax.clear_caches()
     for seq_q in (1, 3, 16):
         q, k, v = _qkv(seq_q, 3 * 64 + 5, seed=seq_q)

@@ -1,6 +1,7 @@
 """`return_max_scores=True`: each row's largest final score over the keys it attends (the
 statistic QK-clip/MuonClip rescales the projections by), on every entry point, against
-an independent float64 reference written here and against `plain_attention`."""
+an independent float64 reference (`helpers.oracle_attention`) and against
+`plain_attention`."""
 
 import functools
 
@@ -9,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, assert_lse_close, enable_x64, qkv
+from helpers import assert_close, assert_lse_close, enable_x64, oracle_attention, qkv
 from hypothesis import given, settings
 
 import eqx_flash
@@ -19,33 +20,9 @@ B, H, KH, SQ, SK, D = 2, 4, 2, 19, 27, 8
 BLOCKS = dict(block_q=8, block_k=8)
 
 
-def _reference(q, k, *, causal=False, window=None, mask=None, softcap=None, bias=None,
-               slopes=None, q_len=None, kv_len=None):
-    """Float64 NumPy: the max over attended keys of the final scores, -inf if none."""
-    q, k = (np.asarray(x, np.float64) for x in (q, k))
-    groups = q.shape[1] // k.shape[1]
-    k = np.repeat(k, groups, axis=1)
-    sq, sk = q.shape[2], k.shape[2]
-    s = np.einsum("bhqd,bhkd->bhqk", q, k) / np.sqrt(q.shape[-1])
-    q_len = np.full(q.shape[0], sq) if q_len is None else np.asarray(q_len)
-    kv_len = np.full(q.shape[0], sk) if kv_len is None else np.asarray(kv_len)
-    i = np.arange(sq)[None, None, :, None]
-    j = np.arange(sk)[None, None, None, :]
-    p = i + (kv_len - q_len)[:, None, None, None]  # bottom-right on the valid lengths
-    if bias is not None:
-        s = s + np.asarray(bias, np.float64)
-    if slopes is not None:
-        s = s - np.asarray(slopes, np.float64)[None, :, None, None] * np.abs(p - j)
-    if softcap is not None:
-        s = softcap * np.tanh(s / softcap)
-    allowed = (i < q_len[:, None, None, None]) & (j < kv_len[:, None, None, None])
-    if causal:
-        allowed &= j <= p
-    if window is not None:
-        allowed &= (j >= p - window[0]) & (j <= p + window[1])
-    if mask is not None:
-        allowed &= np.asarray(mask)[:, None, None, :]
-    return np.where(allowed, s, -np.inf).max(-1)
+def _oracle_max(q, k, **kwargs):
+    """The float64 oracle's max scores (`helpers.oracle_attention`; they do not read v)."""
+    return oracle_attention(q, k, k, **kwargs)[2]
 
 
 def _assert_max_close(actual, expected, dtype=jnp.float32):
@@ -58,48 +35,44 @@ CASES = {
     "window": dict(window=(5, 2)),
     "softcap": dict(softcap=2.0, causal=True),
     "mask": dict(mask=True),
-    "lengths": dict(q_len=[19, 7], kv_len=[27, 9], causal=True),
+    "lengths": dict(q_lengths=[19, 7], kv_lengths=[27, 9], causal=True),
     "bias_alibi": dict(bias=True, slopes=True, causal=True),
 }
 
 
 def _arguments(case: dict, seed=0):
-    """flash_attention keywords and reference keywords for one case."""
+    """flash_attention keywords for one case (the oracle takes the same)."""
     keys = jax.random.split(jax.random.key(seed + 100), 3)
-    kw, ref = {}, {}
+    kw = {}
     for name, value in case.items():
         if name == "mask":
             mask = np.array(jax.random.uniform(keys[0], (B, SK)) > 0.3)
             mask[1] = False  # batch element 1 attends nothing: -inf everywhere
-            kw["mask"], ref["mask"] = jnp.asarray(mask), mask
+            kw["mask"] = jnp.asarray(mask)
         elif name == "bias":
-            bias = jax.random.normal(keys[1], (H, SQ, SK))
-            kw["bias"], ref["bias"] = bias, np.asarray(bias)
+            kw["bias"] = jax.random.normal(keys[1], (H, SQ, SK))
         elif name == "slopes":
-            slopes = jax.random.uniform(keys[2], (H,))
-            kw["alibi_slopes"], ref["slopes"] = slopes, np.asarray(slopes)
-        elif name == "q_len":
-            kw["q_lengths"], ref["q_len"] = jnp.asarray(value), value
-        elif name == "kv_len":
-            kw["kv_lengths"], ref["kv_len"] = jnp.asarray(value), value
+            kw["alibi_slopes"] = jax.random.uniform(keys[2], (H,))
+        elif name in ("q_lengths", "kv_lengths"):
+            kw[name] = jnp.asarray(value)
         else:
-            kw[name] = ref[name] = value
-    return kw, ref
+            kw[name] = value
+    return kw
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_the_float64_reference(case):
     q, k, v = qkv(0, (B, H, SQ, D), (B, KH, SK, D))
-    kw, ref = _arguments(CASES[case])
+    kw = _arguments(CASES[case])
     out, lse, top = eqx_flash.flash_attention(q, k, v, return_max_scores=True, **kw, **BLOCKS)
     assert top.shape == lse.shape and top.dtype == jnp.float32
-    _assert_max_close(top, _reference(q, k, **ref))
+    _assert_max_close(top, _oracle_max(q, k, **kw))
     # The same (out, lse) as without, and the reference agrees on the max.
     plain_out, plain_lse = eqx_flash.flash_attention(q, k, v, **kw, **BLOCKS)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(plain_out))
     np.testing.assert_array_equal(np.asarray(lse), np.asarray(plain_lse))
     *_, ref_top = eqx_flash.plain_attention(q, k, v, return_max_scores=True, **kw)
-    _assert_max_close(ref_top, _reference(q, k, **ref))
+    _assert_max_close(ref_top, _oracle_max(q, k, **kw))
 
 
 def test_float64_inputs_give_float64_max_scores():
@@ -108,7 +81,7 @@ def test_float64_inputs_give_float64_max_scores():
         *_, top = eqx_flash.flash_attention(q, k, v, causal=True, return_max_scores=True,
                                             **BLOCKS)
         assert top.dtype == jnp.float64
-        np.testing.assert_allclose(np.asarray(top), _reference(q, k, causal=True), rtol=1e-12)
+        np.testing.assert_allclose(np.asarray(top), _oracle_max(q, k, causal=True), rtol=1e-12)
 
 
 def test_sinks_are_excluded_and_empty_rows_are_minus_inf():
@@ -148,7 +121,7 @@ def test_decoding_lanes_reduce_the_max():
     q, k, v = qkv(4, (2, 2, 1, 16), (2, 2, 4096, 16))
     lengths = jnp.array([4000, 300])
     *_, top = eqx_flash.flash_attention(q, k, v, kv_lengths=lengths, return_max_scores=True)
-    _assert_max_close(top, _reference(q, k, q_len=[1, 1], kv_len=[4000, 300]))
+    _assert_max_close(top, _oracle_max(q, k, q_lengths=[1, 1], kv_lengths=[4000, 300]))
 
 
 def test_no_derivative_flows_and_other_derivatives_are_unchanged():
@@ -184,7 +157,7 @@ def test_transforms():
 def test_modules():
     q, k, v = qkv(7, (H, SQ, D), (KH, SK, D))
     out, top = eqx_flash.FlashAttention(causal=True, **BLOCKS)(q, k, v, return_max_scores=True)
-    _assert_max_close(top, _reference(q[None], k[None], causal=True)[0])
+    _assert_max_close(top, _oracle_max(q[None], k[None], causal=True)[0])
     assert out.shape == (H, SQ, D)
     mha = eqx_flash.FlashMultiheadAttention(H, 16, num_kv_heads=KH, causal=True,
                                             key=jax.random.key(0))
@@ -194,7 +167,7 @@ def test_modules():
     assert_close(out, mha(x, x, x))
     heads = lambda proj, n: jax.vmap(proj)(x).reshape(SQ, n, -1).swapaxes(0, 1)  # noqa: E731
     qh, kh = heads(mha.query_proj, H), heads(mha.key_proj, KH)
-    _assert_max_close(top, _reference(qh[None], kh[None], causal=True)[0])
+    _assert_max_close(top, _oracle_max(qh[None], kh[None], causal=True)[0])
 
 
 def test_ring_on_one_device():
@@ -208,10 +181,10 @@ def test_ring_on_one_device():
         lambda q, k, v: eqx_flash.ring_flash_attention(
             q, k, v, axis_name="seq", causal=True, return_max_scores=True, **BLOCKS),
         mesh=mesh, in_specs=(seq, seq, seq), out_specs=(seq, lse_spec, lse_spec))
-    _assert_max_close(ring(q, k, v)[2], _reference(q, k, causal=True))
+    _assert_max_close(ring(q, k, v)[2], _oracle_max(q, k, causal=True))
     *_, top = eqx_flash.sharded_flash_attention(q, k, v, mesh=mesh, seq_axis="seq",
                                                 causal=True, return_max_scores=True)
-    _assert_max_close(top, _reference(q, k, causal=True))
+    _assert_max_close(top, _oracle_max(q, k, causal=True))
 
 
 @settings(max_examples=20, deadline=None)

@@ -11,7 +11,7 @@ import pytest
 from helpers import qkv
 
 import eqx_flash
-from eqx_flash._kernels import heads
+from eqx_flash._kernels.xla import policy
 
 
 def _results(q, k, v, **kw):
@@ -36,7 +36,7 @@ def test_vmapped_heads_equal_the_loop(monkeypatch, kind):
         kw = dict(bias=jax.random.normal(jax.random.key(3), (4, 40, 40)), q_segment_ids=ids,
                   kv_segment_ids=ids, block_q=16, block_k=16)
     looped = _results(q, k, v, **kw)
-    monkeypatch.setattr(heads, "heads_in_parallel", lambda: True)
+    monkeypatch.setattr(policy, "heads_in_parallel", lambda machine: True)
     jax.clear_caches()
     parallel = _results(q, k, v, **kw)
     jax.clear_caches()

@@ -1,13 +1,13 @@
 """Position ids (`q_positions`/`kv_positions`): causal, the window and ALiBi measured on
-absolute positions, against an independent float64 reference written here, on every
-single-device entry point (the multi-device ones: `test_ring.py`)."""
+absolute positions, against the independent float64 oracle (`helpers.oracle_attention`),
+on every single-device entry point (the multi-device ones: `test_ring.py`)."""
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, assert_lse_close, enable_x64, qkv
+from helpers import assert_close, assert_lse_close, enable_x64, oracle_attention, qkv
 from hypothesis import given, settings
 
 import eqx_flash
@@ -19,43 +19,6 @@ from eqx_flash.testing import attention_inputs, check_attention
 
 B, H, KH, SQ, SK, D = 2, 4, 2, 37, 45, 8
 BLOCKS = dict(block_q=8, block_k=8)
-
-
-def dense(q, k, v, q_pos, kv_pos, *, window=(None, None), slopes=None, mask=None,
-          q_ids=None, kv_ids=None, q_len=None, kv_len=None, softcap=None):
-    """Differentiable materialising attention on positions (jnp, any dtype): `q_pos`,
-    `kv_pos` `(B, seq)`; a row with nothing to attend gives 0 and -inf."""
-    groups = q.shape[1] // k.shape[1]
-    k, v = jnp.repeat(k, groups, axis=1), jnp.repeat(v, groups, axis=1)
-    s = jnp.einsum("bhqd,bhkd->bhqk", q, k) / np.sqrt(q.shape[-1])
-    rel = kv_pos[:, None, None, :] - q_pos[:, None, :, None]  # kv - q
-    if slopes is not None:
-        s = s - slopes[None, :, None, None] * jnp.abs(rel).astype(s.dtype)
-    if softcap is not None:
-        s = softcap * jnp.tanh(s / softcap)
-    allowed = jnp.ones(s.shape, bool)
-    left, right = window
-    if left is not None:
-        allowed &= rel >= -left
-    if right is not None:
-        allowed &= rel <= right
-    if mask is not None:
-        allowed &= mask[:, None, None, :]
-    if q_ids is not None:
-        allowed &= q_ids[:, None, :, None] == kv_ids[:, None, None, :]
-    if q_len is not None:
-        allowed &= jnp.arange(q.shape[2])[None, None, :, None] < q_len[:, None, None, None]
-        allowed &= jnp.arange(k.shape[2])[None, None, None, :] < kv_len[:, None, None, None]
-    masked = jnp.where(allowed, s, -jnp.inf)
-    top = jax.lax.stop_gradient(jnp.max(masked, axis=-1, keepdims=True))
-    top = jnp.where(jnp.isfinite(top), top, 0.0)
-    e = jnp.where(allowed, jnp.exp(jnp.where(allowed, s, 0.0) - top), 0.0)
-    total = e.sum(-1)
-    some = total > 0
-    safe = jnp.where(some, total, 1.0)
-    out = jnp.einsum("bhqk,bhkd->bhqd", e / safe[..., None], v)
-    lse = jnp.where(some, jnp.log(safe) + top[..., 0], -jnp.inf)
-    return out, lse
 
 
 def _positions(pattern: str, seed: int = 0):
@@ -87,33 +50,26 @@ CASES = {
 
 
 def _call_arguments(case: dict, q_pos, kv_pos, seed=1, dtype=jnp.float32):
-    """`(flash_attention keywords, dense keywords)` of one case."""
+    """The keywords of one case, for `flash_attention` and the oracle alike."""
     rng = np.random.default_rng(seed)
-    ours: dict = dict(q_positions=q_pos, kv_positions=kv_pos)
-    theirs: dict = {}
-    if case.get("causal"):
-        ours["causal"], theirs["window"] = True, (None, 0)
-    if "window" in case:
-        ours["window"], theirs["window"] = case["window"], case["window"]
+    kwargs: dict = dict(q_positions=q_pos, kv_positions=kv_pos)
+    for name in ("causal", "window", "softcap"):
+        if name in case:
+            kwargs[name] = case[name]
     if case.get("alibi"):
-        slopes = jnp.asarray(0.3 * rng.random(H), dtype)
-        ours["alibi_slopes"], theirs["slopes"] = slopes, slopes
-    if "softcap" in case:
-        ours["softcap"] = theirs["softcap"] = case["softcap"]
+        kwargs["alibi_slopes"] = jnp.asarray(0.3 * rng.random(H), dtype)
     if case.get("mask"):
         mask = rng.random((B, SK)) > 0.3
         mask[1, :] = False  # batch element 1 attends nothing
-        ours["mask"] = theirs["mask"] = jnp.asarray(mask)
+        kwargs["mask"] = jnp.asarray(mask)
     if case.get("segments"):
-        q_ids = jnp.asarray(np.sort(rng.integers(0, 3, (B, SQ)), axis=-1), jnp.int32)
-        kv_ids = jnp.asarray(np.sort(rng.integers(0, 3, (B, SK)), axis=-1), jnp.int32)
-        ours.update(q_segment_ids=q_ids, kv_segment_ids=kv_ids)
-        theirs.update(q_ids=q_ids, kv_ids=kv_ids)
+        kwargs["q_segment_ids"] = jnp.asarray(np.sort(rng.integers(0, 3, (B, SQ)), axis=-1),
+                                              jnp.int32)
+        kwargs["kv_segment_ids"] = jnp.asarray(np.sort(rng.integers(0, 3, (B, SK)), axis=-1),
+                                               jnp.int32)
     if case.get("lengths"):
-        q_len, kv_len = jnp.array([SQ, 20]), jnp.array([30, SK])
-        ours.update(q_lengths=q_len, kv_lengths=kv_len)
-        theirs.update(q_len=q_len, kv_len=kv_len)
-    return ours, theirs
+        kwargs.update(q_lengths=jnp.array([SQ, 20]), kv_lengths=jnp.array([30, SK]))
+    return kwargs
 
 
 @pytest.mark.parametrize("pattern", ["offset", "sorted", "unsorted"])
@@ -121,8 +77,8 @@ def _call_arguments(case: dict, q_pos, kv_pos, seed=1, dtype=jnp.float32):
 def test_values_and_lse_match_the_independent_reference(name, pattern):
     q, k, v = _inputs()
     q_pos, kv_pos = _positions(pattern)
-    ours, theirs = _call_arguments(CASES[name], q_pos, kv_pos)
-    expected_out, expected_lse = dense(q, k, v, q_pos, kv_pos, **theirs)
+    ours = _call_arguments(CASES[name], q_pos, kv_pos)
+    expected_out, expected_lse, _ = oracle_attention(q, k, v, **ours)
     for fn, blocks in ((eqx_flash.flash_attention, BLOCKS), (eqx_flash.flash_attention, {}),
                        (eqx_flash.plain_attention, {})):
         out, lse = fn(q, k, v, **ours, **blocks)
@@ -138,18 +94,17 @@ def test_gradients_and_tangents_in_float64(name):
     with enable_x64():
         q, k, v = (x.astype(jnp.float64) for x in _inputs(2))
         q_pos, kv_pos = _positions("unsorted", 3)
-        ours, theirs = _call_arguments(CASES[name], q_pos, kv_pos, dtype=jnp.float64)
+        ours = _call_arguments(CASES[name], q_pos, kv_pos, dtype=jnp.float64)
         rng = np.random.default_rng(4)
         w = jnp.asarray(rng.standard_normal((B, H, SQ, D)))
         u = jnp.asarray(rng.standard_normal((B, H, SQ)))
         slopes = ours.pop("alibi_slopes", None)
-        theirs.pop("slopes", None)
 
         def ours_fn(q, k, v, slopes):
             return eqx_flash.flash_attention(q, k, v, alibi_slopes=slopes, **ours, **BLOCKS)
 
         def theirs_fn(q, k, v, slopes):
-            return dense(q, k, v, q_pos, kv_pos, slopes=slopes, **theirs)
+            return oracle_attention(q, k, v, alibi_slopes=slopes, **ours, xp=jnp)[:2]
 
         def loss(fn):
             def f(*args):
@@ -278,7 +233,8 @@ def test_split_k_decoding_on_positions():
     kv_pos = jnp.arange(512, dtype=jnp.int32)[None]
     out, lse = eqx_flash.flash_attention(q, k, v, window=(100, 0), q_positions=q_pos,
                                          kv_positions=kv_pos, block_k=32)
-    expected_out, expected_lse = dense(q, k, v, q_pos, kv_pos, window=(100, 0))
+    expected_out, expected_lse, _ = oracle_attention(q, k, v, window=(100, 0), q_positions=q_pos,
+                                                     kv_positions=kv_pos)
     assert_close(out, expected_out)
     assert_lse_close(lse, expected_lse)
 
@@ -287,8 +243,8 @@ def test_modules_take_positions_per_call():
     q, k, v = (x[0] for x in _inputs(11))
     q_pos, kv_pos = (x[0] for x in _positions("offset"))
     layer = eqx_flash.FlashAttention(causal=True, **BLOCKS)
-    expected = dense(q[None], k[None], v[None], q_pos[None], kv_pos[None],
-                     window=(None, 0))[0][0]
+    expected = oracle_attention(q[None], k[None], v[None], causal=True,
+                                q_positions=q_pos[None], kv_positions=kv_pos[None])[0][0]
     assert_close(layer(q, k, v, q_positions=q_pos, kv_positions=kv_pos), expected)
     mha = eqx_flash.FlashMultiheadAttention(H, 16, num_kv_heads=KH, causal=True,
                                             key=jax.random.key(0))

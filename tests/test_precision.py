@@ -4,8 +4,9 @@ Issue #11: with q, k, v uniform in [1, 2], q `(1, 4, 256, 64)` and k, v `(1, 4, 
 (logits around 20), the gradients of `flash_attention` were up to 3x further from the
 truth than those of the materialising `plain_attention`, depending on `block_q`: the
 backward pass recomputed the logits with a product that rounds differently from the
-forward's (see `_block.matmul_t`). Every block size must now be about as accurate as the
-reference. The truth is computed in NumPy float64, so these tests do not need x64 mode.
+forward's (see `_kernels.xla.tile.matmul_t`). Every block size must now be about as
+accurate as the reference. The truth is computed in NumPy float64, so these tests do not
+need x64 mode.
 """
 
 import jax

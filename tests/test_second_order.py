@@ -1,8 +1,9 @@
 """Second-order derivatives through flash attention (`_autodiff.second_order`):
 Hessian-vector products, `jax.hessian`, gradients of gradients and of jvp tangents, and
-forward-over-forward, against a differentiable materialising reference written here (in
-float64, to round-off) and against `plain_attention` for every option; rows with nothing
-to attend get zero, finite second derivatives; first-order programs are unchanged."""
+forward-over-forward, against the differentiable float64 oracle
+(`helpers.oracle_attention`, to round-off) and against `plain_attention` for every
+option; rows with nothing to attend get zero, finite second derivatives; first-order
+programs are unchanged."""
 
 import functools
 
@@ -11,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import enable_x64
+from helpers import enable_x64, oracle_attention
 from hypothesis import given, settings
 
 from eqx_flash import (
@@ -27,31 +28,10 @@ from eqx_flash.testing import attention_inputs, check_attention
 BLOCKS = dict(block_q=4, block_k=4)  # several blocks per axis
 
 
-def _reference(q, k, v, *, causal=False, mask=None, bias=None, softcap=None, scale=None):
-    """Softmax attention written out: `(out, lse)`, GQA by repeating k and v, causal
-    aligned at the end (`seq_q <= seq_k`), `mask` over keys `(*batch, seq_k)`; a row with
-    no key gives out 0 and lse -inf with zero derivatives (its logits are replaced by a
-    finite constant, then its results by zero)."""
-    groups = q.shape[-3] // k.shape[-3]
-    k, v = jnp.repeat(k, groups, axis=-3), jnp.repeat(v, groups, axis=-3)
-    scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
-    s = jnp.einsum("...qd,...kd->...qk", q, k) * scale
-    if bias is not None:
-        s = s + jnp.broadcast_to(bias, s.shape)
-    if softcap is not None:
-        s = softcap * jnp.tanh(s / softcap)
-    seq_q, seq_k = q.shape[-2], k.shape[-2]
-    attends = jnp.ones(s.shape, bool)
-    if causal:
-        band = jnp.arange(seq_k)[None, :] <= jnp.arange(seq_q)[:, None] + seq_k - seq_q
-        attends = attends & jnp.broadcast_to(band, s.shape)
-    if mask is not None:
-        attends = attends & jnp.broadcast_to(mask[..., None, None, :], s.shape)
-    any_key = attends.any(axis=-1)
-    s = jnp.where(attends, s, -1e30)
-    lse = jax.nn.logsumexp(s, axis=-1)
-    out = jnp.einsum("...qk,...kd->...qd", jnp.exp(s - lse[..., None]), v)
-    return jnp.where(any_key[..., None], out, 0.0), jnp.where(any_key, lse, -jnp.inf)
+def _oracle(q, k, v, **options):
+    """The oracle's `(out, lse)` (`helpers.oracle_attention`), differentiable; a row with
+    no key gives out 0 and lse -inf with zero derivatives."""
+    return oracle_attention(q, k, v, xp=jnp, **options)[:2]
 
 
 def _flash(q, k, v, **kwargs):
@@ -136,7 +116,7 @@ def test_second_order_matches_the_reference_in_float64(name):
         args, options, directions = _problem(*CASES[name])
         got = jax.jit(functools.partial(_second_derivatives, _flash, options=options))(
             args, directions=directions)
-        expected = _second_derivatives(_reference, args, options, directions)
+        expected = _second_derivatives(_oracle, args, options, directions)
         for what in expected:
             for a, b in zip(jax.tree.leaves(got[what]), jax.tree.leaves(expected[what]),
                             strict=True):
@@ -154,7 +134,7 @@ def test_hessian_and_jacfwd_of_jacfwd_match_the_reference_in_float64():
 
         for transform in (jax.hessian, lambda f: jax.jacfwd(jax.jacfwd(f))):
             got = jax.jit(transform(functools.partial(f, _flash)))(q)
-            expected = transform(functools.partial(f, _reference))(q)
+            expected = transform(functools.partial(f, _oracle))(q)
             assert got.shape == q.shape * 2
             np.testing.assert_allclose(got, expected, rtol=1e-9, atol=1e-11)
 
@@ -186,7 +166,7 @@ def test_rows_with_nothing_to_attend_have_zero_second_derivatives():
 def test_float32_within_the_gradient_tolerance():
     with enable_x64():
         args, options, directions = _problem(*CASES["causal_gqa"])
-        expected = _second_derivatives(_reference, args, options, directions)
+        expected = _second_derivatives(_oracle, args, options, directions)
         args, directions, expected = jax.tree.map(np.asarray, (args, directions, expected))
     args32 = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), args)
     directions32 = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), directions)
@@ -396,12 +376,14 @@ def test_ring_second_order_raises_clearly():
 def test_decoding_shapes_take_the_split_k_path_at_second_order(monkeypatch):
     """One query against a long cache with valid lengths (the split-K decoding kernel,
     checked to run): an HVP and a gradient of a gradient as plain_attention's."""
-    import eqx_flash._api.flash as flash_module
+    from eqx_flash._kernels import dispatch
 
     calls = []
-    split_k_forward = flash_module.split_k_forward
-    monkeypatch.setattr(flash_module, "split_k_forward",
-                        lambda *args: (calls.append(1), split_k_forward(*args))[1])
+    xla = dispatch.FAMILIES["xla"]
+    split_k_forward = xla.split_k_forward
+    assert split_k_forward is not None
+    monkeypatch.setitem(dispatch.FAMILIES, "xla", xla._replace(
+        split_k_forward=lambda *args: (calls.append(1), split_k_forward(*args))[1]))
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.standard_normal((2, 4, 1, 16)), jnp.float32)
     k = jnp.asarray(rng.standard_normal((2, 2, 2048, 16)), jnp.float32)

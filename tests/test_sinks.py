@@ -1,12 +1,13 @@
 """Attention sinks: a per-head logit in every row's softmax denominator (`sinks=`),
-against an independent float64 reference written here, on every entry point."""
+against the independent float64 oracle (`helpers.oracle_attention`), on every entry
+point."""
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, assert_lse_close, enable_x64, qkv
+from helpers import assert_close, assert_lse_close, enable_x64, oracle_attention, qkv
 from hypothesis import given, settings
 
 import eqx_flash
@@ -14,26 +15,6 @@ from eqx_flash.testing import attention_inputs, check_attention
 
 B, H, KH, SQ, SK, D = 2, 4, 2, 19, 27, 8
 BLOCKS = dict(block_q=8, block_k=8)
-
-
-def _reference(q, k, v, sinks, *, causal=False, mask=None, softcap=None):
-    """Float64 NumPy attention with sinks: `p = exp(s) / (exp(sink) + sum exp(s))`."""
-    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    groups = q.shape[1] // k.shape[1]
-    k, v = np.repeat(k, groups, axis=1), np.repeat(v, groups, axis=1)
-    s = np.einsum("bhqd,bhkd->bhqk", q, k) / np.sqrt(q.shape[-1])
-    if softcap is not None:
-        s = softcap * np.tanh(s / softcap)
-    allowed = np.ones(s.shape, bool)
-    if causal:
-        allowed &= np.tril(np.ones((q.shape[2], k.shape[2]), bool), k.shape[2] - q.shape[2])
-    if mask is not None:
-        allowed &= np.asarray(mask)[:, None, None, :]
-    sink = np.broadcast_to(np.asarray(sinks, np.float64), (q.shape[0], q.shape[1]))
-    e = np.where(allowed, np.exp(s), 0.0)
-    denominator = np.exp(sink)[..., None] + e.sum(-1)
-    out = np.einsum("bhqk,bhkd->bhqd", e / denominator[..., None], v)
-    return out, np.log(denominator)
 
 
 def _inputs(seed=0):
@@ -48,8 +29,8 @@ def test_values_and_lse_match_the_independent_reference(causal, options):
     q, k, v, sinks = _inputs()
     mask = np.random.default_rng(1).random((B, SK)) > 0.3
     mask[1] = False  # batch element 1 attends nothing: out 0, lse = sink
-    expected_out, expected_lse = _reference(q, k, v, sinks, causal=causal, mask=mask,
-                                            softcap=options.get("softcap"))
+    expected_out, expected_lse, _ = oracle_attention(q, k, v, mask, causal=causal, sinks=sinks,
+                                                     softcap=options.get("softcap"))
     for fn in (eqx_flash.flash_attention, eqx_flash.plain_attention):
         kwargs = options if fn is eqx_flash.flash_attention else {
             n: x for n, x in options.items() if n == "softcap"}
@@ -74,14 +55,7 @@ def test_gradients_and_tangents_in_float64():
             return f
 
         def dense(q, k, v, sinks, causal=True):
-            # jnp twin of `_reference`, differentiable.
-            k, v = (jnp.repeat(x, H // KH, axis=1) for x in (k, v))
-            s = jnp.einsum("bhqd,bhkd->bhqk", q, k) / np.sqrt(D)
-            s = jnp.where(jnp.tril(jnp.ones((SQ, SK), bool), SK - SQ), s, -jnp.inf)
-            s = jnp.concatenate([jnp.broadcast_to(sinks[:, None, None], (B, H, SQ, 1)), s], -1)
-            lse = jax.nn.logsumexp(s, axis=-1)
-            out = jnp.einsum("bhqk,bhkd->bhqd", jnp.exp(s - lse[..., None])[..., 1:], v)
-            return out, lse
+            return oracle_attention(q, k, v, causal=causal, sinks=sinks, xp=jnp)[:2]
 
         args = (q, k, v, sinks)
         expected = jax.grad(loss(dense), argnums=(0, 1, 2, 3))(*args)
@@ -136,7 +110,7 @@ def test_sinks_broadcastable_to_batch_heads_are_taken(shape):
     the float64 reference, the cotangent in the sinks' own shape."""
     q, k, v, _ = _inputs(8)
     sinks = jnp.asarray(np.random.default_rng(8).standard_normal(shape), jnp.float32)
-    expected_out, expected_lse = _reference(q, k, v, sinks, causal=True)
+    expected_out, expected_lse, _ = oracle_attention(q, k, v, causal=True, sinks=sinks)
     for fn in (eqx_flash.flash_attention, eqx_flash.plain_attention):
         out, lse = fn(q, k, v, causal=True, sinks=sinks)
         assert_close(out, expected_out)
@@ -164,7 +138,7 @@ def test_split_k_decode_path_uses_the_sink():
     q, k, v = qkv(6, (1, H, 1, D), (1, KH, 512, D))
     sinks = jnp.linspace(-1.0, 3.0, H)
     out, lse = eqx_flash.flash_attention(q, k, v, sinks=sinks, block_k=32)
-    expected_out, expected_lse = _reference(q, k, v, sinks)
+    expected_out, expected_lse, _ = oracle_attention(q, k, v, sinks=sinks)
     assert_close(out, expected_out)
     assert_lse_close(lse, expected_lse)
 

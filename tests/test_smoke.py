@@ -147,7 +147,7 @@ def test_sharded_flash_attention_one_device(getkey):
 @covers("ring_flash_attention")
 @pytest.mark.parametrize("check_vma", [False, True])
 def test_ring_in_shard_map_one_device(getkey, check_vma):
-    # check_vma=True exercises the varying-axes casts (`_compat.pcast_varying`).
+    # check_vma=True exercises the varying-axes casts (`_core.compat.pcast_varying`).
     q, k, v = qkv(getkey(), (4, 32, 8), (2, 32, 8))
     spec = PartitionSpec(None, "seq", None)
     ring = jax.shard_map(

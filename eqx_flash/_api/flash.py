@@ -1,13 +1,14 @@
 """Public `flash_attention`: binding, layout, padding and derivative wiring.
 
 The path of one call: `bind` checks every argument and brings the arrays into the
-internal layout as one `Operands` bundle (all before tracing); `prepare_kernels`
-resolves block sizes and scale into the `KernelConfig`, traces a `score_mod`/`mask_mod`
-at those block sizes and summarises a `mask_mod` per block pair; `_blockwise` (jitted)
+internal layout as one `Operands` bundle (all before tracing); `prepare_kernels` makes
+the kernel choice once (`_kernels.dispatch.choose`: the family, block sizes, scale,
+split-K, compute dtype) into the `KernelConfig`, traces a `score_mod`/`mask_mod` at
+those block sizes and summarises a `mask_mod` per block pair; `_blockwise` (jitted)
 splits the heads, cleans rows that never attend, pads to whole blocks and runs the
-forward kernel under `with_custom_derivatives` (`_autodiff`), whose tangent is the
-tangent kernel and whose transpose, for reverse mode, the backward kernel. The
-kernels see only padded arrays in the internal layout.
+chosen forward kernel under `with_custom_derivatives` (`_autodiff`), whose tangent is
+the tangent kernel and whose transpose, for reverse mode, the backward kernel. The
+kernels see only padded arrays in the internal layout (`_kernels.contract`).
 """
 
 import dataclasses
@@ -20,14 +21,7 @@ from jaxtyping import Array, PRNGKeyArray
 
 from .._autodiff.derivatives import with_custom_derivatives
 from .._core.checking import checked
-from .._core.config import (
-    KernelConfig,
-    kernel_config,
-    kernel_dtype,
-    split_k_config,
-    stat_dtype,
-    wants_fine_blocks,
-)
+from .._core.config import KernelConfig, stat_dtype
 from .._core.operands import (
     Operands,
     combine,
@@ -61,37 +55,33 @@ from .._core.types import (
     Value,
     WindowLike,
 )
-from .._kernels.forward import forward
-from .._kernels.split_k import split_k_applies, split_k_forward
+from .._kernels.contract import Call
+from .._kernels.dispatch import choose, forward
 from .._mods.block_mask import BlockMask, block_flags_for, derived_flags
 from .._mods.tracing import trace_mods, varying_axes_of
 from .._semantics.masking import valid_rows
 from .._semantics.softmax import with_sink
 from .binder import Bound, bind
 
-
-def _primal_kernel(cfg: KernelConfig, q, k, v, ops: Operands):
-    """The forward kernel for `cfg`: split-K (flash-decoding) where it applies
-    (`_core.config.num_splits`), else the regular one."""
-    if split_k_applies(cfg, ops):
-        return split_k_forward(cfg, q, k, v, ops)
-    return forward(cfg, q, k, v, ops)
+# The forward kernel the configuration chose (split-K for flash-decoding, else the
+# regular one, of the chosen family). Every derivative goes through this rule: forward
+# mode runs the tangent kernel, reverse mode its transpose, the backward kernel.
+_attention = with_custom_derivatives(forward)
 
 
-# Every derivative goes through this rule: forward mode runs the tangent kernel, reverse
-# mode its transpose, the backward kernel.
-_attention = with_custom_derivatives(_primal_kernel)
+def call_of(bound: Bound, shapes: Shapes | None = None) -> Call:
+    """`bound` as the kernel choice sees it (`_kernels.dispatch.choose`), on problem
+    `shapes` (default: `bound`'s)."""
+    return Call(bound.options, bound.shapes if shapes is None else shapes, bound.q.dtype,
+                bound.operands, bound.score_mod is not None, bound.mask_mod is not None)
 
 
 def prepare_kernels(bound: Bound) -> tuple[KernelConfig, Operands]:
-    """The kernels' configuration for `bound` and its operands with the modifications'
-    arrays and block summary added (`score_mod`/`mask_mod` are traced at the block
-    sizes; a call with them runs the regular kernels at those sizes)."""
+    """The kernels' configuration for `bound` (the kernel choice, made once:
+    `_kernels.dispatch.choose`) and its operands with the modifications' arrays and
+    block summary added (`score_mod`/`mask_mod` are traced at the block sizes chosen)."""
     shapes, ops = bound.shapes, bound.operands
-    fine = wants_fine_blocks(ops, bound.mask_mod is not None)
-    base = kernel_config(bound.options, shapes, fine)
-    cfg = dataclasses.replace(base, lengths=ops.has_lengths,
-                              positions=ops.has_positions)
+    cfg = choose(call_of(bound))
     mods, mod_ops = trace_mods(bound.score_mod, bound.mask_mod, shapes.heads, shapes.groups,
                                cfg.block_q, cfg.block_k, stat_dtype(bound.q.dtype),
                                varying_axes_of((bound.q, bound.k, bound.v, ops)))
@@ -102,8 +92,7 @@ def prepare_kernels(bound: Bound) -> tuple[KernelConfig, Operands]:
     elif bound.mask_mod is not None:
         ops = replace(ops, block_flags=derived_flags(
             bound.mask_mod, shapes, cfg.block_q, cfg.block_k))
-    cfg = split_k_config(cfg) if mods is None else dataclasses.replace(cfg, mods=mods)
-    return cfg, ops
+    return dataclasses.replace(cfg, mods=mods), ops
 
 
 def attend(bound: Bound) -> tuple[Array, ...]:
@@ -126,11 +115,11 @@ def _blockwise(q, k, v, ops: Operands, *, cfg: KernelConfig, shapes: Shapes,
                max_scores: bool = False):
     dtype = q.dtype
     q, k, v = split_heads(q, k, v, shapes)
-    if split_k_applies(cfg, ops):  # only the (few) queries need cleaning
+    if cfg.split_k:  # only the (few) queries need cleaning (`_kernels.contract`)
         q = valid_rows(q, k, v, ops, cfg.seq_q, cfg.seq_k, keys=False)[0]
     else:
         q, k, v = valid_rows(q, k, v, ops, cfg.seq_q, cfg.seq_k)
-    compute = kernel_dtype(dtype)
+    compute = dtype if cfg.compute_dtype is None else cfg.compute_dtype
     seq_q_pad, seq_k_pad = cfg.padded_seq
     q = pad_axis(q.astype(compute), 3, seq_q_pad)
     k, v = (pad_axis(x.astype(compute), 2, seq_k_pad) for x in (k, v))

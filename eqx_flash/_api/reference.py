@@ -102,8 +102,7 @@ def plain_attention(
     logits = jnp.einsum("bhgqd,bhgkd->bhgqk", q5, k5) * options.scale_for(shapes.dim)
     q_pos = jnp.arange(shapes.seq_q, dtype=jnp.int32).reshape(1, 1, 1, -1, 1)
     k_pos = jnp.arange(shapes.seq_k, dtype=jnp.int32).reshape(1, 1, 1, 1, -1)
-    add = additive(ops, 0, 0, q_pos, k_pos, shapes.seq_k - shapes.seq_q, shapes.seq_q,
-                   shapes.seq_k, stat)
+    add = additive(ops, q_pos, k_pos, shapes.seq_k - shapes.seq_q, stat)  # the whole grid
     if add is not None:
         logits = logits + add
     grid = grid_indices(b, h, g, shapes.seq_q, shapes.seq_k)
@@ -119,8 +118,7 @@ def plain_attention(
     else:  # with positions the window is theirs (below): here only the key range
         allowed = positional_mask(q_pos, k_pos, shapes.seq_k - shapes.seq_q, shapes.seq_k,
                                   Window() if ops.has_positions else options.window)
-    for extra in (position_mask(ops, 0, 0, shapes.seq_q, shapes.seq_k, options.window),
-                  data_mask(ops, 0, 0, shapes.seq_q, shapes.seq_k)):
+    for extra in (position_mask(ops, options.window), data_mask(ops)):
         if extra is not None:
             allowed = allowed & extra
     if block_mask is not None:  # checked as the kernels check it, then not needed

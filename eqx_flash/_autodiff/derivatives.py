@@ -6,10 +6,10 @@ forward kernel) is a `jax.custom_jvp` (symbolic zeros on), and its JVP rule retu
 - the primal by calling the `custom_jvp` function itself (so any outer transform re-enters
   this rule), and
 - the tangent through the linear primitive (`linear.linear_p`), whose forward evaluation
-  is the tangent kernel (`_kernels.tangent`) and whose transpose is the backward kernel
-  (`_kernels.backward`). So `jax.jvp` runs the forward and tangent kernels, and
-  `jax.grad`, which linearises through this rule and transposes the linear primitive,
-  runs the forward and backward kernels.
+  is the tangent kernel and whose transpose is the backward kernel, both of the family
+  the configuration records (`_kernels.dispatch.family_of`). So `jax.jvp` runs the
+  forward and tangent kernels, and `jax.grad`, which linearises through this rule and
+  transposes the linear primitive, runs the forward and backward kernels.
 
 The differentiable inputs are q, k, v and the differentiable operands
 (`_core.operands.differentiable_part`: a bias, ALiBi slopes, a score_mod's floating
@@ -22,8 +22,8 @@ order (Hessian-vector products, `jax.hessian`, gradients of gradients and of tan
 
 Where the tangents are only pushed forward (`jax.jvp`, not transposed), running the
 forward kernel and then the tangent kernel forms every logit block twice. So the rule
-binds `one_pass_p` instead, whose evaluation is the one-pass kernel
-(`_kernels.tangent.forward_and_tangent`, a jvp at about 3.0 forwards against 3.5). Every
+binds `one_pass_p` instead, whose evaluation is the one-pass kernel (the family's
+`forward_and_tangent`; the xla one's jvp costs about 3.0 forwards against 3.5). Every
 other transformation of it replays the two-pass decomposition above (`_two_pass`):
 partial evaluation (`jax.linearize`, `jax.grad`, `jax.checkpoint`) gets the forward as
 the known part and the linear primitive as the unknown one, exactly as before; its JVP
@@ -47,7 +47,6 @@ from jax.interpreters import partial_eval as pe
 from .._core.compat import set_current_trace, unsharded
 from .._core.config import KernelConfig, stat_dtype
 from .._core.operands import Operands, combine
-from .._kernels.split_k import split_k_applies
 from .._semantics.masking import valid_rows
 from .batching import batch_by_map
 from .linear import linear
@@ -81,7 +80,7 @@ def with_custom_derivatives(attention: Callable[..., Any]) -> Callable[..., Any]
     @functools.partial(wrapped.defjvp, symbolic_zeros=True)
     def wrapped_jvp(cfg, primals, tangents):
         q, k, v, diff, const = primals
-        if split_k_applies(cfg, combine(diff, const)):
+        if cfg.split_k:
             # The split-K kernel left the keys and values uncleaned (`_api.flash`); the
             # derivative kernels need them clean, and their tangents alike.
             ops = combine(diff, const)
@@ -148,7 +147,7 @@ def _one_pass_applies(cfg: KernelConfig, primals: Any, nonzero: tuple[Any, ...])
     """Not for split-K (a few queries: the forward is cheap), nor under a mesh (where the
     primitive's output types would have to carry the inputs' sharding and varying axes;
     the decomposition's kernels do that themselves)."""
-    if split_k_applies(cfg, combine(primals[3], primals[4])):
+    if cfg.split_k:
         return False
     return all(unsharded(x) for x in (*jax.tree.leaves(primals), *nonzero))
 

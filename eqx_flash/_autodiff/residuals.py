@@ -9,7 +9,8 @@ tangents and unwanted cotangents cost nothing.
 
 `apply_tangent` (the tangent kernel: the first derivative along marked tangents) and
 `apply_backward` (the backward kernel: the transposed first derivative, returning the
-marked cotangents) are the two first-order maps; every rule is built from them.
+marked cotangents) are the two first-order maps; every rule is built from them. The
+kernels are those of the family the configuration records (`_kernels.dispatch.family_of`).
 """
 
 from collections.abc import Sequence
@@ -21,8 +22,8 @@ from jaxtyping import Array
 
 from .._core.config import KernelConfig
 from .._core.operands import Operands, combine, replace
-from .._kernels.backward import backward, backward_statistics
-from .._kernels.tangent import forward_and_tangent, tangent
+from .._kernels.dispatch import family_of
+from .._semantics.softmax import backward_statistics
 
 
 class Residuals(NamedTuple):
@@ -73,7 +74,8 @@ def apply_tangent(cfg: KernelConfig, res: Residuals, which: Sequence[bool],
     zero; the kernel skips what they would cost)."""
     dq, dk, dv, d_diff = _tangent_arguments(res, which, tangents)
     ops = combine(res.diff, res.const)
-    return list(tangent(cfg, res.q, res.k, res.v, ops, res.out, res.lse, dq, dk, dv, d_diff))
+    return list(family_of(cfg).tangent(cfg, res.q, res.k, res.v, ops, res.out, res.lse, dq,
+                                       dk, dv, d_diff))
 
 
 def apply_forward_and_tangent(cfg: KernelConfig, primals: Residuals, which: Sequence[bool],
@@ -82,8 +84,8 @@ def apply_forward_and_tangent(cfg: KernelConfig, primals: Residuals, which: Sequ
     not read: they are what this computes)."""
     dq, dk, dv, d_diff = _tangent_arguments(primals, which, tangents)
     ops = combine(primals.diff, primals.const)
-    return list(forward_and_tangent(cfg, primals.q, primals.k, primals.v, ops, dq, dk, dv,
-                                    d_diff))
+    return list(family_of(cfg).forward_and_tangent(cfg, primals.q, primals.k, primals.v, ops,
+                                                   dq, dk, dv, d_diff))
 
 
 def _tangent_arguments(res: Residuals, which: Sequence[bool], tangents: Sequence[Array]
@@ -107,5 +109,6 @@ def apply_backward(cfg: KernelConfig, res: Residuals, which: Sequence[bool],
     safe_lse, delta = backward_statistics(res.out, res.lse, d_out, d_lse)
     wanted = jax.tree.unflatten(tree, list(which))[3]
     ops = combine(res.diff, res.const)
-    grads = backward(cfg, res.q, res.k, res.v, ops, safe_lse, delta, d_out, wanted)
+    grads = family_of(cfg).backward(cfg, res.q, res.k, res.v, ops, safe_lse, delta, d_out,
+                                    wanted)
     return marked(tree.flatten_up_to(grads), which)

@@ -210,11 +210,6 @@ def pad_axis(x: Array, axis: int, size: int) -> Array:
     return jnp.pad(x, widths)
 
 
-def whole_blocks(n: int, block: int) -> int:
-    """`n` rounded up to a multiple of `block`."""
-    return -(-n // block) * block
-
-
 def padded(ops: Operands, seq_q: int | None, seq_k: int | None) -> Operands:
     """The `GRID` operands padded along their sequence axes (-2, -1) to `seq_q`, `seq_k`
     (None: that axis as it is). Padding is never attended: the kernels mask it by
@@ -228,6 +223,49 @@ def padded(ops: Operands, seq_q: int | None, seq_k: int | None) -> Operands:
         return x if seq_k is None else pad_axis(x, -1, seq_k)
 
     return map_fields(pad, ops)
+
+
+def block(ops: Operands, q_start: Array | int, k_start: Array | int, block_q: int,
+          block_k: int) -> Operands:
+    """The values of one block of `ops`: each `GRID` field sliced to rows `[q_start,
+    q_start + block_q)` and columns `[k_start, k_start + block_k)` of its sequence axes
+    (-2, -1), except where it broadcasts (size 1); the `BLOCKS` and `SHARED` fields as
+    they are. What `_semantics` evaluates: a kernel that loads its blocks itself (from
+    refs) builds the same values, and a whole grid is one block."""
+
+    def cut(name: str, x: Any) -> Any:
+        if layout_of(name) != GRID:
+            return x
+        if x.shape[-2] != 1:
+            x = jax.lax.dynamic_slice_in_dim(x, q_start, block_q, axis=-2)
+        if x.shape[-1] != 1:
+            x = jax.lax.dynamic_slice_in_dim(x, k_start, block_k, axis=-1)
+        return x
+
+    return map_fields(cut, ops)
+
+
+def add_block(acc: Operands, part: Operands, q_start: Array | int, k_start: Array | int
+              ) -> Operands:
+    """`acc` with one block's cotangents `part` added where the block sits (`block`'s
+    inverse, for the fields `acc` accumulates; `part` cast to their dtypes). `GRID`
+    fields only: the others are accumulated by the kernels themselves."""
+
+    def add(name: str, a: Any, p: Any) -> Any:
+        if p is None:
+            return a
+        assert layout_of(name) == GRID, name
+        p = p.astype(a.dtype)
+        if p.shape == a.shape:
+            return a + p
+        # One index dtype (under jax_enable_x64 a Python int is int64).
+        starts = tuple(jnp.asarray(x, jnp.int32) for x in (
+            *(0,) * (a.ndim - 2), q_start if a.shape[-2] != 1 else 0,
+            k_start if a.shape[-1] != 1 else 0))
+        old = jax.lax.dynamic_slice(a, starts, p.shape)
+        return jax.lax.dynamic_update_slice(a, old + p, starts)
+
+    return map_fields(add, acc, part)
 
 
 def per_head_part(ops: Operands) -> tuple[Operands, Operands]:

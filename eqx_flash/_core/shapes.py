@@ -44,6 +44,10 @@ class Shapes:
 LAYOUT = ("Layout: q is (*batch, heads, seq_q, dim), k and v (*batch, kv_heads, seq_k, dim): "
           "heads before seq. For jax.nn's (batch, seq, heads, dim), call "
           "eqx_flash.dot_product_attention.")
+def ceil_div(n, block):
+    """`n / block` rounded up (ints or integer arrays): how many blocks of `block` hold
+    `n`."""
+    return -(-n // block)
 
 
 def shapes_of(q: Array, k: Array, v: Array) -> Shapes:

@@ -54,7 +54,7 @@ Value: TypeAlias = (
 )
 
 # Masks and ids: the trailing axes are named; how the leading axes broadcast against
-# q's (the heads axis may be left out) is checked by `_shapes.mask_to_internal`.
+# q's (the heads axis may be left out) is checked by `_core.shapes.mask_to_internal`.
 # Boolean, or integer where non-zero attends; a float mask is an error.
 KeyMask: TypeAlias = Bool[AnyArray, "... seq_k"] | Integer[AnyArray, "... seq_k"]
 PairMask: TypeAlias = (
@@ -68,7 +68,7 @@ _LengthsChecked: TypeAlias = Shaped[AnyArray, "..."] | int | float | np.number |
 Lengths: TypeAlias = Annotated[_LengthsChecked, Documented(Integer[Array, "*batch"] | int)]
 QuerySegmentIds: TypeAlias = Integer[AnyArray, "... seq_q"]
 # Score terms: a float bias broadcastable to `(*batch, heads, seq_q, seq_k)` and ALiBi
-# slopes `(*batch, heads)`; how their leading axes broadcast is checked in `_validation`.
+# slopes `(*batch, heads)`; how their leading axes broadcast is checked in `_api.binder`.
 Bias: TypeAlias = Float[AnyArray, "... #seq_q #seq_k"]
 # On the ring (`ring_flash_attention`, local shards), a device's query rows against all
 # keys: its last axis is the global seq_k, not the local shard's.
@@ -103,7 +103,7 @@ else:
                          Documented(tuple[Array, ...])]
 
 # The static options. Type checkers and the API reference see their real types; at run
-# time they admit anything, because `_options.make_options` checks them, with one message
+# time they admit anything, because `_core.options.make_options` checks them, with one message
 # per bad value that every entry point shares (a beartype error would otherwise pre-empt
 # it with another message).
 _Flag = bool

@@ -21,9 +21,10 @@ from beartype import beartype
 from jaxtyping import Array, jaxtyped
 
 from .._api.binder import Bound, bind, refuse
+from .._api.flash import call_of
 from .._autodiff.custom_linear import custom_linear
 from .._autodiff.derivatives import with_custom_derivatives
-from .._core.config import KernelConfig, kernel_config, stat_dtype, wants_fine_blocks
+from .._core.config import KernelConfig, stat_dtype
 from .._core.operands import (
     Operands,
     add_cotangents,
@@ -55,11 +56,11 @@ from .._core.types import (
     Value,
     WindowLike,
 )
-from .._kernels.backward import backward, backward_statistics
-from .._kernels.forward import forward
+from .._kernels.dispatch import choose, family_of, forward
 from .._mods.block_mask import BlockMask
 from .._mods.tracing import trace_mods
 from .._semantics import softmax
+from .._semantics.softmax import backward_statistics
 from .ring_operands import (
     RingOperands,
     at_chunk,
@@ -99,7 +100,7 @@ def _backward_pair(cfg: KernelConfig | None, wanted: Operands, grads, q, k, v, l
     if cfg is None:
         return grads
     d_q, d_k, d_v, d_home, d_common = grads
-    dq, dk, dv, d_ops = backward(cfg, q, k, v, ops, lse, delta, d_out, wanted)
+    dq, dk, dv, d_ops = family_of(cfg).backward(cfg, q, k, v, ops, lse, delta, d_out, wanted)
     return (d_q + dq.astype(d_q.dtype), d_k + dk.astype(d_k.dtype), d_v + dv.astype(d_v.dtype),
             add_cotangents(d_home, d_ops), add_cotangents(d_common, d_ops))
 
@@ -409,13 +410,15 @@ def ring_of(bound: Bound, axis_name: Hashable, n: int, layout: Layout, local: An
                 f"must be divisible by {m}"
             )
     piece = dataclasses.replace(shapes, seq_q=shapes.seq_q // m, seq_k=shapes.seq_k // m)
-    fine = wants_fine_blocks(bound.operands, bound.mask_mod is not None)
-    base = kernel_config(bound.options, piece, fine)
+    base = choose(call_of(bound, piece), split_k=False)  # the kernel choice, made once
     mods, mod_ops = trace_mods(bound.score_mod, bound.mask_mod, shapes.heads, shapes.groups,
                                base.block_q, base.block_k, stat_dtype(bound.q.dtype))
-    # ALiBi aligns the global indices on the global sequence (`ring_operands`).
+    # ALiBi aligns the global indices on the global sequence (`ring_operands`). Lengths
+    # travel as segment ids (`sharded`), so nothing aligns on them at run time; the ring
+    # computes in the inputs' dtype.
     base = dataclasses.replace(base, mods=mods, alibi_offset=n * (shapes.seq_k - shapes.seq_q),
-                               positions=bound.operands.has_positions)
+                               positions=bound.operands.has_positions, lengths=False,
+                               compute_dtype=None)
     return Ring(axis_name=axis_name, num_devices=n, layout=layout, base=base), mod_ops
 
 

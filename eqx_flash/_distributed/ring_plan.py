@@ -19,7 +19,8 @@ from jaxtyping import Array
 from .._core.compat import pcast_varying, varying_axes
 from .._core.config import KernelConfig
 from .._core.options import Window
-from .._kernels.schedule import block_schedule
+from .._kernels.schedule import static_flags
+from .._mods.block_mask import EMPTY, FULL
 from .sequence_order import Layout, chunk_index, subchunks
 
 
@@ -56,10 +57,10 @@ def pair_config(ring: Ring, a: int, qp: int, b: int, kp: int) -> KernelConfig | 
         gq = chunk_index(ring.layout, n, a, qp)
         gk = chunk_index(ring.layout, n, b, kp)
         window, offset = win, gq * cq - gk * ck + total * (ck - cq)
-    one_block = block_schedule(cq, ck, cq, ck, window, offset)
-    if len(one_block.full):
+    one_block = static_flags(cq, ck, cq, ck, window, offset)[0, 0]
+    if one_block == FULL:
         return dataclasses.replace(base, window=Window(), diagonal_offset=None)
-    if len(one_block.partial):
+    if one_block != EMPTY:
         return dataclasses.replace(base, window=window, diagonal_offset=offset)
     return None
 

@@ -1,68 +1,49 @@
-"""Which block pairs a kernel visits, and the loop that visits them.
+"""The block plan: which block pairs a kernel visits, in which order, and which of them
+need their masks — static from the band, narrowed at run time. Shared by the kernel
+families: the xla loops walk it (`xla.loops.over_band`), a grid kernel would prefetch
+its tables (`BlockPlan.visits`).
 
 Causal and window masks are known at trace time, so the pairs they empty are never
-computed (forward or backward), and pairs they leave whole need no positional mask.
-The non-empty key blocks of a query block form one contiguous range (the mask is a band),
-and the whole ones a contiguous sub-range of it; `band_ranges` gives both per block.
-Segment ids, positions and lengths narrow each band at run time (`run_limits`);
-`over_band` folds a step over what remains.
+computed (forward or backward), and pairs they leave whole need no positional mask:
+`block_plan` flags every block pair `EMPTY`, `PARTIAL` (needs its mask) or `FULL` (the
+encoding of `make_block_mask` and of splash attention's `block_mask`), by the one
+statement of the window (`_semantics.masking.window_overlap`). The non-empty key blocks
+of a query block form one contiguous range (the mask is a band), and the whole ones a
+contiguous sub-range of it: `Bands` are those runs, the loops' form of the plan. Segment
+ids, positions and lengths narrow each band at run time (`run_limits`).
 """
 
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
 
-from .._core.compat import varying_axes
 from .._core.config import KernelConfig
 from .._core.operands import Operands
 from .._core.options import Window
-from .._mods.block_mask import EMPTY, FULL
-from .._semantics.masking import length_window, lengths_or, shifted
+from .._core.shapes import ceil_div
+from .._mods.block_mask import EMPTY, FULL, PARTIAL
+from .._semantics.masking import length_window, lengths_or, window_overlap
 
 
-class Schedule(NamedTuple):
-    """(query block, key block) index pairs, `int32[n, 2]` each."""
-
-    partial: np.ndarray  # some pairs in the block are masked by position or key padding
-    full: np.ndarray  # every pair in the block attends positionally
-
-
-def _pair_flags(
+def static_flags(
     seq_q: int, seq_k: int, block_q: int, block_k: int, window: Window, offset: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """`(nonempty, full)`, bool `[num_q_blocks, num_k_blocks]`."""
-    num_q = -(-seq_q // block_q)
-    num_k = -(-seq_k // block_k)
+) -> np.ndarray:
+    """`int8[num_q_blocks, num_k_blocks]`: `EMPTY`, `PARTIAL` or `FULL` per block pair,
+    for query rows at aligned positions `i + offset` (see `KernelConfig`) against
+    `seq_k` keys (a block holding key padding is never whole)."""
+    num_q, num_k = ceil_div(seq_q, block_q), ceil_div(seq_k, block_k)
     qb, kb = np.meshgrid(np.arange(num_q), np.arange(num_k), indexing="ij")
     # Aligned positions p of the first and last real query row of each block.
     p_first = qb * block_q + offset
     p_last = np.minimum(qb * block_q + block_q, seq_q) - 1 + offset
     k_first = kb * block_k
     k_last = np.minimum(kb * block_k + block_k, seq_k) - 1
-    nonempty = np.ones_like(qb, dtype=bool)
-    full = kb * block_k + block_k <= seq_k  # no key padding in the block
-    if window.left is not None:
-        nonempty &= k_last >= p_first - window.left
-        full &= k_first >= p_last - window.left
-    if window.right is not None:
-        nonempty &= k_first <= p_last + window.right
-        full &= k_last <= p_first + window.right
-    return nonempty, full & nonempty
-
-
-def block_schedule(
-    seq_q: int, seq_k: int, block_q: int, block_k: int, window: Window, offset: int
-) -> Schedule:
-    """Pairs for query rows at aligned positions `i + offset` (see `KernelConfig`)."""
-    nonempty, full = _pair_flags(seq_q, seq_k, block_q, block_k, window, offset)
-    qb, kb = np.nonzero(nonempty)
-    pairs = np.stack([qb, kb], axis=1).astype(np.int32)
-    is_full = full[qb, kb]
-    return Schedule(partial=pairs[~is_full], full=pairs[is_full])
+    no_padding = kb * block_k + block_k <= seq_k
+    some, every = window_overlap(p_first, p_last, k_first, k_last, window,
+                                 np.ones_like(no_padding), no_padding)
+    return np.where(some & every, FULL, np.where(some, PARTIAL, EMPTY)).astype(np.int8)
 
 
 class Bands(NamedTuple):
@@ -84,27 +65,73 @@ class Bands(NamedTuple):
         return int(np.max(self.full_lo - self.lo + self.hi - self.full_hi, initial=0))
 
 
-def _bands(nonempty: np.ndarray, full: np.ndarray) -> Bands:
-    n_outer, n_inner = nonempty.shape
-    idx = np.arange(n_inner)
-    lo = np.where(nonempty.any(1), np.argmax(nonempty, 1), 0)
-    hi = np.where(nonempty.any(1), n_inner - np.argmax(nonempty[:, ::-1], 1), 0)
-    full_lo = np.where(full.any(1), np.argmax(full, 1), hi)
-    full_hi = np.where(full.any(1), n_inner - np.argmax(full[:, ::-1], 1), hi)
-    # A band mask makes both sets intervals; check, since the kernels rely on it.
-    assert np.array_equal(nonempty, (idx >= lo[:, None]) & (idx < hi[:, None]))
-    assert np.array_equal(full, (idx >= full_lo[:, None]) & (idx < full_hi[:, None]))
-    return Bands(*(x.astype(np.int32) for x in (lo, full_lo, full_hi, hi)), inner=n_inner)
+class Visits(NamedTuple):
+    """Per outer block, the inner blocks to visit in order — the whole ones, then those
+    that need their masks, as the loops visit them — as tables a grid can prefetch.
+    `int32[n_outer, width]`/`int8[n_outer, width]`; past `lengths`, `order` repeats the
+    last visited block (or 0) and `flags` is `EMPTY`."""
+
+    order: np.ndarray
+    flags: np.ndarray
+    lengths: np.ndarray  # int32[n_outer]: how many inner blocks each visits
+
+
+class BlockPlan(NamedTuple):
+    """The static plan of one kernel call: `flags[query block, key block]`
+    (`static_flags`)."""
+
+    flags: np.ndarray
+
+    def oriented(self, by: str) -> np.ndarray:
+        """The flags as `[n_outer, n_inner]` for a loop over query (`by="q"`) or key
+        (`by="k"`) blocks."""
+        return self.flags.T if by == "k" else self.flags
+
+    def bands(self, by: str) -> Bands:
+        """The plan as runs per outer block (`Bands`), checked to be runs."""
+        flags = self.oriented(by)
+        nonempty, full = flags != EMPTY, flags == FULL
+        n_outer, n_inner = nonempty.shape
+        idx = np.arange(n_inner)
+        lo = np.where(nonempty.any(1), np.argmax(nonempty, 1), 0)
+        hi = np.where(nonempty.any(1), n_inner - np.argmax(nonempty[:, ::-1], 1), 0)
+        full_lo = np.where(full.any(1), np.argmax(full, 1), hi)
+        full_hi = np.where(full.any(1), n_inner - np.argmax(full[:, ::-1], 1), hi)
+        # A band mask makes both sets intervals; check, since the kernels rely on it.
+        assert np.array_equal(nonempty, (idx >= lo[:, None]) & (idx < hi[:, None]))
+        assert np.array_equal(full, (idx >= full_lo[:, None]) & (idx < full_hi[:, None]))
+        return Bands(*(x.astype(np.int32) for x in (lo, full_lo, full_hi, hi)), inner=n_inner)
+
+    def visits(self, by: str) -> Visits:
+        """The plan as visit tables (`Visits`), in the order of `bands`' loops: the
+        whole run, then the partial blocks before it, then those after it."""
+        bands = self.bands(by)
+        rows = []
+        for lo, full_lo, full_hi, hi in zip(*bands.runs, strict=True):
+            rows.append([*range(full_lo, full_hi), *range(lo, full_lo), *range(full_hi, hi)])
+        lengths = np.array([len(r) for r in rows], np.int32)
+        width = max(int(lengths.max(initial=0)), 1)
+        order = np.zeros((len(rows), width), np.int32)
+        flags = np.full((len(rows), width), EMPTY, np.int8)
+        oriented = self.oriented(by)
+        for o, row in enumerate(rows):
+            order[o, : len(row)] = row
+            order[o, len(row):] = row[-1] if row else 0
+            flags[o, : len(row)] = oriented[o, row]
+        return Visits(order, flags, lengths)
+
+
+def block_plan(cfg: KernelConfig) -> BlockPlan:
+    """The static plan of `cfg`: its band (`band_window`, aligned at `offset`) and key
+    padding, blocked as `cfg` is."""
+    return BlockPlan(static_flags(cfg.seq_q, cfg.seq_k, cfg.block_q, cfg.block_k,
+                                  cfg.band_window, cfg.offset))
 
 
 def band_ranges(cfg: KernelConfig, by: str) -> Bands:
     """Key-block ranges per query block (`by="q"`) or query-block ranges per key block
-    (`by="k"`) of the static band of `cfg`."""
-    nonempty, full = _pair_flags(cfg.seq_q, cfg.seq_k, cfg.block_q, cfg.block_k,
-                                 cfg.band_window, cfg.offset)
-    if by == "k":
-        nonempty, full = nonempty.T, full.T
-    return _bands(nonempty, full)
+    (`by="k"`) of the static plan of `cfg` (`block_plan`)."""
+    return block_plan(cfg).bands(by)
 
 
 def _block_ranges(ids: Array, seq: int, block: int) -> tuple[Array, Array, Array]:
@@ -151,15 +178,9 @@ def position_limits(cfg: KernelConfig, ops: Operands, by: str
         return None
     q_lo, q_hi, q_real = _block_ranges(ops.q_positions, cfg.seq_q, cfg.block_q)
     k_lo, k_hi, k_real = _block_ranges(ops.kv_positions, cfg.seq_k, cfg.block_k)
-    pairs = q_real[:, None] & k_real[None, :]
-    full = pairs
-    # (`shifted`: the reach saturates at the int32 ends instead of wrapping round.)
-    if window.left is not None:  # some key at or after the first query's reach
-        pairs &= k_hi[None, :] >= shifted(q_lo, -window.left)[:, None]
-        full &= k_lo[None, :] >= shifted(q_hi, -window.left)[:, None]
-    if window.right is not None:
-        pairs &= k_lo[None, :] <= shifted(q_hi, window.right)[:, None]
-        full &= k_hi[None, :] <= shifted(q_lo, window.right)[:, None]
+    real = q_real[:, None] & k_real[None, :]
+    pairs, full = window_overlap(q_lo[:, None], q_hi[:, None], k_lo[None, :], k_hi[None, :],
+                                 window, real, real)
     if by == "k":
         pairs, full = pairs.T, full.T
     lo, hi = _interval(pairs)
@@ -192,39 +213,24 @@ def oriented_flags(ops: Operands, by: str) -> Array | None:
 
 def length_limits(cfg: KernelConfig, ops: Operands, by: str) -> tuple[Array, Array] | None:
     """Per outer block, the inner blocks `[lo, hi)` that the valid lengths (and the window
-    aligned on them, `_semantics.masking.length_mask`) let attend; None without lengths. Exact at
-    block granularity: key blocks wholly past `kv_len` and query blocks wholly past `q_len`
-    are never visited, so a padded batch costs its real lengths. `ops` are one head's
-    (`heads.Head`), lengths `(1, 1, 1)`."""
+    aligned on them, `_semantics.masking.length_mask`) let attend; None without lengths.
+    Exact at block granularity: key blocks wholly past `kv_len` and query blocks wholly
+    past `q_len` are never visited, so a padded batch costs its real lengths. `ops` are
+    one head's (`xla.heads.Head`), lengths `(1, 1, 1)`."""
     if not ops.has_lengths:
         return None
     q_len, kv_len = (jnp.asarray(x, jnp.int32).reshape(())
                      for x in lengths_or(ops, cfg.seq_q, cfg.seq_k))
-    window = length_window(ops, cfg.window)
-    left, right = window.left, window.right
-    offset = kv_len - q_len
-    bq, bk = cfg.block_q, cfg.block_k
-    if by == "q":
-        n_outer, outer_block, outer_len, inner_block = -(-cfg.seq_q // bq), bq, q_len, bk
-    else:
-        n_outer, outer_block, outer_len, inner_block = -(-cfg.seq_k // bk), bk, kv_len, bq
-    first = jnp.arange(n_outer, dtype=jnp.int32) * outer_block
-    last = jnp.minimum(first + outer_block, outer_len) - 1
-    # (`shifted`: a window side past int32 saturates instead of wrapping round.)
-    if by == "q":  # keys j with p - left <= j <= p + right, p = i + offset, j < kv_len
-        start = (jnp.zeros_like(first) if left is None
-                 else jnp.maximum(shifted(first + offset, -left), 0))
-        stop = (kv_len if right is None
-                else jnp.minimum(kv_len, shifted(last + offset + 1, right)))
-    else:  # queries i with j - right <= i + offset <= j + left, i < q_len
-        start = (jnp.zeros_like(first) if right is None
-                 else jnp.maximum(shifted(first - offset, -right), 0))
-        stop = q_len if left is None else jnp.minimum(q_len, shifted(last - offset + 1, left))
-    stop = jnp.broadcast_to(stop, first.shape)
-    empty = (first >= outer_len) | (stop <= start)
-    lo = jnp.where(empty, 0, start // inner_block)
-    hi = jnp.where(empty, 0, -(-stop // inner_block))
-    return lo.astype(jnp.int32), hi.astype(jnp.int32)
+    offset = kv_len - q_len  # query i sits at p = i + offset
+    q_first = jnp.arange(ceil_div(cfg.seq_q, cfg.block_q), dtype=jnp.int32) * cfg.block_q
+    k_first = jnp.arange(ceil_div(cfg.seq_k, cfg.block_k), dtype=jnp.int32) * cfg.block_k
+    q_last = jnp.minimum(q_first + cfg.block_q, q_len) - 1
+    k_last = jnp.minimum(k_first + cfg.block_k, kv_len) - 1
+    real = (q_first < q_len)[:, None] & (k_first < kv_len)[None, :]
+    pairs, _ = window_overlap((q_first + offset)[:, None], (q_last + offset)[:, None],
+                              k_first[None, :], k_last[None, :],
+                              length_window(ops, cfg.window), real, real)
+    return _interval(pairs.T if by == "k" else pairs)
 
 
 class Limits(NamedTuple):
@@ -259,96 +265,3 @@ def run_limits(cfg: KernelConfig, ops: Operands, by: str) -> Limits | None:
         lo, hi = jnp.maximum(lo, other_lo), jnp.minimum(hi, other_hi)
     full = (None, None) if by_position is None else by_position[2:]
     return Limits(lo, jnp.maximum(hi, lo), flags, *full)
-
-
-def _whole_run(full_lo: Array, full_hi: Array, limits: Limits | None, outer: Array
-               ) -> tuple[Array, Array]:
-    """The static whole run `[full_lo, full_hi)` of one outer block intersected with the
-    run that is whole by position (`Limits.full_lo`), if any."""
-    if limits is None or limits.full_lo is None or limits.full_hi is None:
-        return full_lo, full_hi
-    new_lo = jnp.clip(limits.full_lo[outer], full_lo, full_hi)
-    return new_lo, jnp.clip(limits.full_hi[outer], new_lo, full_hi)
-
-
-def over_band(
-    bands: Bands, outer: Array, step: Callable[[Any, Array, bool], Any], carry: Any,
-    limits: Limits | None = None,
-) -> Any:
-    """Fold `step(carry, inner_block, masked)` over the inner blocks of one outer block:
-    first the whole ones (`masked=False`: no positional mask, no `mask_mod`), then those
-    that need their masks; all clipped to `limits` (`run_limits`) if given. Trip counts
-    are dynamic, so every outer block shares one compiled loop. A single inner block is
-    visited through a switch instead (`_only_block`)."""
-    if limits is not None and limits.flags is not None:
-        return _over_listed(bands, outer, step, carry, limits, limits.flags)
-    # The band's three runs: partial [lo, full_lo), whole [full_lo, full_hi), partial
-    # [full_hi, hi). Clipping every end into [seg_lo, seg_hi] intersects each run with it.
-    ends = [jnp.asarray(x)[outer] for x in bands.runs]
-    if limits is not None:
-        ends = [jnp.clip(x, limits.lo[outer], limits.hi[outer]) for x in ends]
-    lo, full_lo, full_hi, hi = ends
-    full_lo, full_hi = _whole_run(full_lo, full_hi, limits, outer)
-    by_position = limits is not None and limits.full_lo is not None
-    if bands.inner == 1:
-        return _only_block(step, carry, full_hi > full_lo, hi > lo)
-    if int(np.max(bands.full_hi - bands.full_lo, initial=0)) > 0:
-        carry = jax.lax.fori_loop(full_lo, full_hi, lambda j, c: step(c, j, False), carry)
-    if bands.max_partial > 0 or by_position:
-        n_left = full_lo - lo
-
-        def partial(t, c):
-            return step(c, jnp.where(t < n_left, lo + t, full_hi + t - n_left), True)
-
-        carry = jax.lax.fori_loop(0, n_left + hi - full_hi, partial, carry)
-    return carry
-
-
-def _over_listed(
-    bands: Bands, outer: Array, step: Callable[[Any, Array, bool], Any], carry: Any,
-    limits: Limits, flags: Array,
-) -> Any:
-    """`over_band` with a `block_mask`: its blocks need not form runs, so the outer
-    block's inner blocks are listed, whole ones (full by position and by the flags)
-    first, then the rest of the non-empty ones, as FlexAttention's `full_kv_indices`
-    and `kv_indices`. Two branch-free loops over the list: a per-block `lax.cond` on
-    the flag would move the accumulators in and out of a separate computation."""
-    lo, full_lo, full_hi, hi = (jnp.asarray(x)[outer] for x in bands.runs)
-    full_lo, full_hi = _whole_run(full_lo, full_hi, limits, outer)
-    lo, hi = jnp.maximum(lo, limits.lo[outer]), jnp.minimum(hi, limits.hi[outer])
-    inner = jnp.arange(flags.shape[1], dtype=jnp.int32)
-    flag = flags[outer]
-    inside = (inner >= lo) & (inner < hi) & (flag != EMPTY)
-    whole = inside & (inner >= full_lo) & (inner < full_hi) & (flag == FULL)
-    if bands.inner == 1:
-        return _only_block(step, carry, whole[0], inside[0])
-    rank = jnp.where(whole, 0, jnp.where(inside, 1, 2)).astype(jnp.int32)
-    order = jnp.argsort(rank, stable=True).astype(jnp.int32)
-    n_whole = jnp.sum(whole, dtype=jnp.int32)
-    n_inside = jnp.sum(inside, dtype=jnp.int32)
-    carry = jax.lax.fori_loop(0, n_whole, lambda t, c: step(c, order[t], False), carry)
-    return jax.lax.fori_loop(n_whole, n_inside, lambda t, c: step(c, order[t], True), carry)
-
-
-def _only_block(step: Callable[[Any, Array, bool], Any], carry: Any, whole: Array,
-                inside: Array) -> Any:
-    """The one inner block (0) of an outer block when there is only one: `step` once,
-    unmasked if `whole`, masked if only `inside`, else not at all, as a switch. In a loop
-    the block's slices do not depend on the (then folded) index, and XLA's loop-invariant
-    code motion hoists the whole tile out of the loop, computing it even where the loop
-    runs no step, once per loop: a backward with one query block against 8 key blocks, 2
-    of them within a causal window on positions, took 29.6 ms in loops, 6.5 ms so.
-
-    Under `shard_map(check_vma=True)` the flags vary over the mesh when run-time
-    operands (segment ids, positions) give them, and batching a switch on a varying
-    index (the heads' `vmap`) evaluates its branches on operands cast to vary, against
-    a jaxpr traced with them invariant ("mul requires varying manual axes to match").
-    A batched switch computes its branches and selects anyway: there the block is
-    visited masked (exact on a whole block too) and kept where it is inside."""
-    zero = jnp.zeros((), jnp.int32)
-    if varying_axes(inside) | varying_axes(whole):
-        new = step(carry, zero, True)
-        return jax.tree.map(lambda n, c: jnp.where(inside, n, c), new, carry)
-    which = jnp.where(whole, 1, jnp.where(inside, 2, 0))
-    return jax.lax.switch(which, [lambda c: c, lambda c: step(c, zero, False),
-                                  lambda c: step(c, zero, True)], carry)

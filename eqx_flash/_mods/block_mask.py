@@ -16,7 +16,7 @@ from jaxtyping import Array, Int8
 
 from .._core.config import choose_block, default_blocks
 from .._core.options import Window, make_options
-from .._core.shapes import Shapes
+from .._core.shapes import Shapes, ceil_div
 from .._core.types import Documented
 from .._mods.tracing import check_mask_mod
 
@@ -110,7 +110,7 @@ def _flags(
     mask_mod: Callable[..., Any], batch: int, heads: int, seq_q: int, seq_k: int, bq: int,
     bk: int,
 ) -> Array:
-    num_q, num_k = -(-seq_q // bq), -(-seq_k // bk)
+    num_q, num_k = ceil_div(seq_q, bq), ceil_div(seq_k, bk)
     b = jnp.arange(batch, dtype=jnp.int32).reshape(-1, 1, 1, 1)
     h = jnp.arange(heads, dtype=jnp.int32).reshape(1, -1, 1, 1)
     probe_i = jax.ShapeDtypeStruct((1, 1, bq, 1), jnp.int32)

@@ -1,37 +1,45 @@
 """The one definition of which (query, key) pairs attend.
 
-The kernels evaluate these functions on one block of positions, the reference on the
-whole grid, and the schedule (`_kernels.schedule`) reasons about the positional part
-block by block, so all three agree by construction.
+The kernels evaluate these functions on the values of one block (the operands sliced by
+`_core.operands.block`, the block's positions), the reference on the whole grid, and the
+block plan (`_kernels.schedule`) reasons about the window block by block with
+`window_overlap`, so all three agree by construction.
 """
 
-import jax
+from typing import TypeVar, cast
+
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Int
 
+from .._core.config import KernelConfig
 from .._core.operands import Operands
 from .._core.options import Window
 
+# Positions: JAX arrays in the kernels and the reference, NumPy in the static block plan.
+P = TypeVar("P", Array, np.ndarray)
 
-def shifted(p: Array, by: int) -> Array:
+def shifted(p: P, by: int) -> P:
     """`p + by` for a Python int `by`, saturated at the ends of `p`'s integer dtype:
     exact wherever the sum fits, the dtype's end where it does not. A window's ends
     `q_pos - left`, `q_pos + right` would wrap round for positions near the int32
     limits (and then exclude every key); saturated, `k >= p - left` and `k <= p + right`
-    stay exact for every int32 key. Costs a compare and a select on the rows only."""
+    stay exact for every int32 key. Costs a compare and a select on the rows only.
+    (NumPy arrays, the static block plan's, stay NumPy.)"""
     if by == 0:
         return p
-    info = jnp.iinfo(p.dtype)
+    xp = np if isinstance(p, np.ndarray) else jnp
+    info = np.iinfo(p.dtype)
     end, limit = (info.max, info.max - by) if by > 0 else (info.min, info.min - by)
     if not info.min <= limit <= info.max:  # every p passes the end
-        return jnp.full_like(p, end)
+        return cast(P, xp.full_like(p, end))
     past = p > limit if by > 0 else p < limit
     # `by` modulo 2^bits as an in-range constant: the wrapped sum is exact where it fits.
     wrapped = (by - info.min) % (1 << info.bits) + info.min
-    return jnp.where(past, jnp.asarray(end, p.dtype), p + jnp.asarray(wrapped, p.dtype))
+    return cast(P, xp.where(past, xp.asarray(end, p.dtype), p + xp.asarray(wrapped, p.dtype)))
 
 
-def within_window(allowed: Array | None, k_pos: Array, p: Array, window: Window) -> Array:
+def within_window(allowed: P | None, k_pos: P, p: P, window: Window) -> P:
     """`allowed` (None: everything) and `p - left <= k_pos <= p + right`, the one
     statement of the window (a side that is None is unbounded; at least one is not when
     `allowed` is None), exact for any integer positions (`shifted`)."""
@@ -41,6 +49,20 @@ def within_window(allowed: Array | None, k_pos: Array, p: Array, window: Window)
             allowed = inside if allowed is None else allowed & inside
     assert allowed is not None
     return allowed
+
+
+def window_overlap(p_first: P, p_last: P, k_first: P, k_last: P, window: Window, some: P,
+                   every: P) -> tuple[P, P]:
+    """For queries at aligned positions `[p_first, p_last]` and keys at `[k_first,
+    k_last]` (NumPy or JAX arrays, broadcasting): `(some & whether some pair is within
+    the window, every & whether every pair is)`, by `within_window`. The differences
+    `k - p` fill `[k_first - p_last, k_last - p_first]` and the window is an interval of
+    differences, so both answers are exact, and one statement of the window serves the
+    static block plan and the run-time limits as it serves the mask."""
+    left, right = Window(window.left, None), Window(None, window.right)
+    some = within_window(within_window(some, k_last, p_first, left), k_first, p_last, right)
+    every = within_window(within_window(every, k_first, p_last, left), k_last, p_first, right)
+    return some, every
 
 
 def positional_mask(
@@ -66,18 +88,13 @@ def length_mask(
     return within_window(allowed, k_pos, q_pos + (kv_len - q_len), window)
 
 
-def position_mask(
-    ops: Operands, q_start: Array | int, k_start: Array | int, block_q: int, block_k: int,
-    window: Window,
-) -> Array | None:
-    """Causal and the window measured on the positions of one block (`ops.q_positions`,
-    `ops.kv_positions`): `q - left <= kv <= q + right`, absolute (no bottom-right
+def position_mask(blk: Operands, window: Window) -> Array | None:
+    """Causal and the window measured on the positions of one block (`blk.q_positions`,
+    `blk.kv_positions`): `q - left <= kv <= q + right`, absolute (no bottom-right
     offset). None without positions or without a window (then positions mask nothing)."""
-    if not ops.has_positions or window.is_unbounded:
+    if not blk.has_positions or window.is_unbounded:
         return None
-    qp = block_of(ops.q_positions, q_start, k_start, block_q, block_k)
-    kp = block_of(ops.kv_positions, q_start, k_start, block_q, block_k)
-    return within_window(None, kp, qp, window)
+    return within_window(None, blk.kv_positions, blk.q_positions, window)
 
 
 def length_window(ops: Operands, window: Window) -> Window:
@@ -121,30 +138,41 @@ def valid_rows(
     return q, k, v
 
 
-def block_of(x: Array, q_start: Array | int, k_start: Array | int, block_q: int, block_k: int):
-    """Slice one block out of a mask whose seq axes may be broadcast (size 1)."""
-    if x.shape[-2] != 1:
-        x = jax.lax.dynamic_slice_in_dim(x, q_start, block_q, axis=-2)
-    if x.shape[-1] != 1:
-        x = jax.lax.dynamic_slice_in_dim(x, k_start, block_k, axis=-1)
-    return x
-
-
-def data_mask(
-    ops: Operands, q_start: Array | int, k_start: Array | int, block_q: int, block_k: int
-) -> Array | None:
-    """AND of the data-dependent masks over one block (None when there are none)."""
+def data_mask(blk: Operands) -> Array | None:
+    """AND of the data-dependent masks over one block of operand values (None when there
+    are none)."""
     allowed = None
 
     def conj(a, b):
         return b if a is None else a & b
 
-    if ops.key_mask is not None:
-        allowed = conj(allowed, block_of(ops.key_mask, q_start, k_start, block_q, block_k))
-    if ops.pair_mask is not None:
-        allowed = conj(allowed, block_of(ops.pair_mask, q_start, k_start, block_q, block_k))
-    if ops.q_segment_ids is not None and ops.kv_segment_ids is not None:
-        qs = block_of(ops.q_segment_ids, q_start, k_start, block_q, block_k)
-        ks = block_of(ops.kv_segment_ids, q_start, k_start, block_q, block_k)
-        allowed = conj(allowed, qs == ks)
+    if blk.key_mask is not None:
+        allowed = conj(allowed, blk.key_mask)
+    if blk.pair_mask is not None:
+        allowed = conj(allowed, blk.pair_mask)
+    if blk.q_segment_ids is not None and blk.kv_segment_ids is not None:
+        allowed = conj(allowed, blk.q_segment_ids == blk.kv_segment_ids)
     return allowed
+
+
+def allowed(cfg: KernelConfig, blk: Operands, q_pos: Array, k_pos: Array, positional: bool
+            ) -> Array | None:
+    """Which pairs of one block attend, `(groups|1, block_q|1, block_k)` (None: all), for
+    a kernel configured by `cfg`: the data masks of the block's operand values `blk`,
+    the lengths, and, where `positional` (a block the plan does not know to be whole),
+    the band (`positional_mask` on the block's indices `q_pos`, `k_pos`) and the window
+    on positions. `mask_mod` is the kernels' (`_mods.tracing`)."""
+    mask = data_mask(blk)
+    if positional:
+        pos = positional_mask(q_pos, k_pos, cfg.offset, cfg.seq_k, cfg.band_window)
+        mask = pos if mask is None else mask & pos
+        # With positions and a window, `positional` also says the block is not whole by
+        # position (`_kernels.schedule.position_limits`).
+        by_position = position_mask(blk, cfg.window)
+        if by_position is not None:
+            mask = mask & by_position
+    if blk.has_lengths:
+        q_len, kv_len = lengths_or(blk, cfg.seq_q, cfg.seq_k)
+        by_length = length_mask(q_pos, k_pos, q_len, kv_len, length_window(blk, cfg.window))
+        mask = by_length if mask is None else mask & by_length
+    return mask

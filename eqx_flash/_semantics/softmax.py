@@ -10,6 +10,8 @@ from typing import NamedTuple
 import jax.numpy as jnp
 from jaxtyping import Array
 
+from .._core.config import stat_dtype
+
 
 class Running(NamedTuple):
     """Online-softmax state of a block of query rows: `acc = sum_j exp(s_j - row_max) v_j`
@@ -113,6 +115,17 @@ def finite_lse(lse: Array) -> Array:
     """lse with -inf (rows that attended nothing) replaced by 0: any finite shift gives
     `exp(masked logit - lse) = 0` there, where -inf would give NaN."""
     return jnp.where(lse == -jnp.inf, 0.0, lse)
+
+
+def backward_statistics(out: Array, lse: Array, d_out: Array, d_lse: Array
+                        ) -> tuple[Array, Array]:
+    """`(lse, delta)` for a backward kernel (`_kernels.contract`): lse with -inf made
+    finite (`finite_lse`), and `delta = rowsum(dO * O) - d_lse` in the statistics dtype.
+    (d lse / d s is the softmax, so an lse cotangent just shifts the softmax-backward
+    delta.)"""
+    stat = stat_dtype(out.dtype)
+    delta = jnp.sum(d_out.astype(stat) * out.astype(stat), axis=-1) - d_lse.astype(stat)
+    return finite_lse(lse), delta
 
 
 def merge_all(out: Array, lse: Array, axis: int = 0) -> tuple[Array, Array]:

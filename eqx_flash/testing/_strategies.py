@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, DTypeLike
 
+from .._core.shapes import ceil_div
 from .._mods.block_mask import make_block_mask
 
 if TYPE_CHECKING:
@@ -97,7 +98,7 @@ def _draw_mask_mod(draw, rng, batch: int, seq_q: int, seq_k: int) -> Any:
     if family == "dilated":
         return Dilated(int(rng.integers(2, 4)), offset)
     block = int(draw(st.sampled_from((4, 8))))
-    tiles = rng.random((-(-seq_q // block), -(-seq_k // block))) < 0.3
+    tiles = rng.random((ceil_div(seq_q, block), ceil_div(seq_k, block))) < 0.3
     return BlockSparse(jnp.asarray(tiles), block)
 
 

@@ -2,7 +2,7 @@
 
 Per kv head (`heads.per_head`), an outer scan over query blocks; each query block's
 running statistics (`_semantics.softmax.Running`) live in the carry of an inner loop over
-its band of key blocks (`schedule.over_band`), so no state is written back to a
+its band of key blocks (`loops.over_band`), so no state is written back to a
 full-size array between blocks. Inputs are in the internal layout (`_core.shapes`),
 padded to whole blocks. No validation here.
 
@@ -17,11 +17,12 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from .._core.config import KernelConfig, stat_dtype
-from .._core.operands import Operands
-from .._semantics import softmax
+from ..._core.config import KernelConfig, stat_dtype
+from ..._core.operands import Operands
+from ..._semantics import softmax
+from ..schedule import Bands, Limits, band_ranges, run_limits
 from .heads import Head, per_head
-from .schedule import Bands, Limits, band_ranges, over_band, run_limits
+from .loops import over_band
 from .tile import (
     attended_values,
     dropout_multiplier,
@@ -55,7 +56,7 @@ def forward(cfg: KernelConfig, q: Array, k: Array, v: Array, ops: Operands
     statistics dtype (both -inf for rows with no key). The max costs one row of
     statistics per block and is dropped by XLA when unused."""
     kernel = functools.partial(_forward_head, cfg, band_ranges(cfg, by="q"))
-    return per_head(kernel, ops, (q, k, v))
+    return per_head(kernel, ops, (q, k, v), parallel=cfg.parallel_heads)
 
 
 def _forward_head(cfg: KernelConfig, bands: Bands, head: Head, arrays: tuple[Array, ...]

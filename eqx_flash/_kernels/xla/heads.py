@@ -12,9 +12,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from .._core.config import single_cpu_device
-from .._core.operands import Operands, combine, per_head_part
-from .._semantics.dropout import flat_head_index
+from ..._core.operands import Operands, combine, per_head_part
+from ..._semantics.dropout import flat_head_index
 
 
 class Head(NamedTuple):
@@ -55,22 +54,8 @@ class Rows(NamedTuple):
         return self.x.shape[-2]
 
 
-def heads_in_parallel() -> bool:
-    """Whether `per_head` maps the heads with `vmap` rather than looping over them.
-
-    With several devices the batch or heads axis may be sharded, and a loop over a sharded
-    axis would make XLA gather it onto every device; `vmap` keeps the axes parallel so the
-    SPMD partitioner can split them. On a GPU or TPU a loop would run each head's small
-    block products one after another, leaving most of the chip idle; `vmap` makes each
-    block step one batched product over every head (its tiles cost batch x kv_heads times
-    the loop's memory, still independent of the sequence length). A single CPU device runs
-    the loop, which measured fastest there (`benchmarks/tune_blocks.md`).
-    """
-    return not single_cpu_device()
-
-
 def per_head(
-    fn: HeadKernel, operands: Operands, arrays: tuple[Array, ...],
+    fn: HeadKernel, operands: Operands, arrays: tuple[Array, ...], *, parallel: bool,
     whole: tuple[Array, ...] = (), tangents: Operands | None = None,
 ) -> Any:
     """Map `fn(head, per_head_arrays)` over the `(batch, kv_heads)` axes of `arrays`
@@ -79,8 +64,8 @@ def per_head(
     `SHARED` ones reach every head whole. Arrays in `whole` reach `fn` as a third
     argument, one `Rows` each, instead of being sliced per head.
 
-    On one CPU device, a `lax.map` loop: 2-d block matmuls, the fastest form on CPU.
-    Elsewhere, `vmap` (`heads_in_parallel`).
+    `parallel` (`KernelConfig.parallel_heads`, `policy.heads_in_parallel`): `vmap`, else
+    a `lax.map` loop (one CPU device: 2-d block matmuls, the fastest form there).
     """
     batch, kv_heads = arrays[0].shape[:2]
     groups = arrays[0].shape[2] if arrays[0].ndim == 5 else 1
@@ -97,7 +82,7 @@ def per_head(
             return fn(head, xs[: len(arrays)], tuple(Rows(x) for x in xs[len(arrays):]))
         return fn(head, xs, tuple(Rows(x, b, h) for x in whole))
 
-    if heads_in_parallel():
+    if parallel:
         return _vmapped(one, (sliced, d_sliced), arrays + whole)
     flat = tuple(x.reshape(batch * kv_heads, *x.shape[2:]) for x in arrays)
 

@@ -1,6 +1,9 @@
 """What the kernels compute on one tile, a (query block, key block) pair: its logits,
 which of its pairs attend, and its dropout multiplier.
 
+What an operand means is `_semantics`'s, evaluated on the tile's operand values
+(`_core.operands.block`) and positions (`tile_positions`).
+
 A query block is `(groups, block_q, ...)`: the query heads of one kv head folded into the
 rows (see `heads`). The backward kernel works on transposed blocks
 `(block_k, groups * block_q)`; `transposed` brings any per-block array into that form.
@@ -14,20 +17,13 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from .._core.compat import varying_axes
-from .._core.config import KernelConfig, stat_dtype
-from .._core.operands import Operands
-from .._mods.tracing import apply_mask_mod, apply_score_mod, mod_indices
-from .._semantics.dropout import dropout_keep
-from .._semantics.masking import (
-    data_mask,
-    length_mask,
-    length_window,
-    lengths_or,
-    position_mask,
-    positional_mask,
-)
-from .._semantics.score_terms import additive, block_indices
+from ..._core.compat import varying_axes
+from ..._core.config import KernelConfig, stat_dtype
+from ..._core.operands import Operands, block
+from ..._mods.tracing import apply_mask_mod, apply_score_mod, mod_indices
+from ..._semantics import masking
+from ..._semantics.dropout import dropout_keep
+from ..._semantics.score_terms import additive, block_indices
 from .heads import Head
 
 
@@ -145,30 +141,24 @@ def score_terms(
     if not ops.has_score_terms:
         return None
     q_pos, k_pos = tile_positions(cfg, q_start, k_start)
-    return additive(ops, q_start, k_start, q_pos, k_pos, cfg.score_offset, cfg.block_q,
-                    cfg.block_k, dtype)
+    return additive(tile_operands(cfg, ops, q_start, k_start), q_pos, k_pos, cfg.score_offset,
+                    dtype)
+
+
+def tile_operands(cfg: KernelConfig, ops: Operands, q_start: Array, k_start: Array
+                  ) -> Operands:
+    """The values of one head's operands `ops` on the tile at `(q_start, k_start)`."""
+    return block(ops, q_start, k_start, cfg.block_q, cfg.block_k)
 
 
 def allowed(
     cfg: KernelConfig, ops: Operands, q_start: Array, k_start: Array, positional: bool
 ) -> Array | None:
-    """Which pairs of the block attend, `(groups|1, block_q|1, block_k)` (None: all)."""
-    mask = data_mask(ops, q_start, k_start, cfg.block_q, cfg.block_k)
+    """Which pairs of the block attend, `(groups|1, block_q|1, block_k)` (None: all):
+    `_semantics.masking.allowed` on the tile."""
     q_pos, k_pos = tile_positions(cfg, q_start, k_start)  # unused ones cost nothing once traced
-    if positional:
-        pos = positional_mask(q_pos, k_pos, cfg.offset, cfg.seq_k, cfg.band_window)
-        mask = pos if mask is None else mask & pos
-        # With positions and a window, `masked` also says the block is not whole by
-        # position (`schedule.position_limits`).
-        by_position = position_mask(ops, q_start, k_start, cfg.block_q, cfg.block_k,
-                                     cfg.window)
-        if by_position is not None:
-            mask = mask & by_position
-    if ops.has_lengths:
-        q_len, kv_len = lengths_or(ops, cfg.seq_q, cfg.seq_k)
-        by_length = length_mask(q_pos, k_pos, q_len, kv_len, length_window(ops, cfg.window))
-        mask = by_length if mask is None else mask & by_length
-    return mask
+    return masking.allowed(cfg, tile_operands(cfg, ops, q_start, k_start), q_pos, k_pos,
+                           positional)
 
 
 def tile_mod_indices(
@@ -178,8 +168,8 @@ def tile_mod_indices(
     `(g, 1, 1)`, `(g, 1, 1)`, `(1, bq, 1)`, `(1, 1, bk)` (`_mods.tracing.block_probe`)."""
     assert cfg.mods is not None
     q_pos, k_pos = tile_positions(cfg, q_start, k_start)
-    q_idx, k_idx = block_indices(head.operands, q_start, k_start, q_pos, k_pos, cfg.block_q,
-                                 cfg.block_k)
+    q_idx, k_idx = block_indices(tile_operands(cfg, head.operands, q_start, k_start), q_pos,
+                                 k_pos)
     return mod_indices(cfg.mods, head.head_ids, q_idx, k_idx)
 
 
@@ -201,7 +191,7 @@ def visit(
     `mask_mod`'s), put in the kernel's layout by `orient`; skipped when a data mask
     empties it.
 
-    `masked` is `schedule.over_band`'s: False for a block that the schedule knows to be
+    `masked` is `loops.over_band`'s: False for a block that the schedule knows to be
     whole, by position and, with block flags, by the `mask_mod` too (then the `mask_mod`
     is not evaluated). Without block flags (the ring's kernels) the `mask_mod` is
     evaluated on every block, and a block it empties is skipped.

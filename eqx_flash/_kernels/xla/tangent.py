@@ -2,7 +2,7 @@
 tangents of q, k, v and of the differentiable operands, given the forward's `out` and
 `lse`.
 
-It walks the forward's band schedule (`schedule.band_ranges`, `schedule.over_band`), so
+It walks the forward's block plan (`schedule.band_ranges`, `loops.over_band`), so
 nothing of size seq_q x seq_k is stored. Per query row, with `P = exp(S - lse)` the
 softmax over the attended keys, `S` the logits as the forward forms them and `M` the
 dropout multiplier (`keep / (1 - rate)`, or 1):
@@ -37,13 +37,14 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from .._core.config import KernelConfig, stat_dtype
-from .._core.operands import Operands, combine, constant_part, replace
-from .._mods.tracing import apply_score_mod
-from .._semantics import softmax
-from .._semantics.softmax import finite_lse
+from ..._core.config import KernelConfig, stat_dtype
+from ..._core.operands import Operands, combine, constant_part, replace
+from ..._mods.tracing import apply_score_mod
+from ..._semantics import softmax
+from ..._semantics.softmax import finite_lse
+from ..schedule import Bands, Limits, band_ranges, run_limits
 from .heads import Head, per_head
-from .schedule import Bands, Limits, band_ranges, over_band, run_limits
+from .loops import over_band
 from .tile import (
     attended_values,
     dropout_multiplier,
@@ -84,7 +85,8 @@ def tangent(
     has = tuple(t is not None for t in (dq, dk, dv))
     kernel = functools.partial(_tangent_head, cfg, band_ranges(cfg, by="q"), has)
     tangents = tuple(t for t in (dq, dk, dv) if t is not None)
-    return per_head(kernel, ops, (q, k, v, out, lse, *tangents), tangents=d_ops)
+    return per_head(kernel, ops, (q, k, v, out, lse, *tangents), tangents=d_ops,
+                    parallel=cfg.parallel_heads)
 
 
 def _tangent_inputs(cfg: KernelConfig, head: Head, q, k, v, dq, dk, dv) -> _TangentHead:
@@ -253,7 +255,8 @@ def forward_and_tangent(
     has = tuple(t is not None for t in (dq, dk, dv))
     kernel = functools.partial(_one_pass_head, cfg, band_ranges(cfg, by="q"), has)
     tangents = tuple(t for t in (dq, dk, dv) if t is not None)
-    return per_head(kernel, ops, (q, k, v, *tangents), tangents=d_ops)
+    return per_head(kernel, ops, (q, k, v, *tangents), tangents=d_ops,
+                    parallel=cfg.parallel_heads)
 
 
 class _OnePass(NamedTuple):

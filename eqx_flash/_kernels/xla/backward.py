@@ -1,8 +1,8 @@
 """Blockwise backward kernel: recomputes each scheduled block from q, k, v and lse.
 
 A pure function of its inputs: the derivative rule prepares what it needs
-(`backward_statistics`: the softmax-backward `delta` and an lse without -inf), as in
-Pallas' attention kernels.
+(`_semantics.softmax.backward_statistics`: the softmax-backward `delta` and an lse
+without -inf), as in Pallas' attention kernels.
 
 Per kv head (`heads.per_head`), key blocks are the outer loop: a key block's dk and dv
 stay in the carry of an inner loop over its band of query blocks and are emitted once;
@@ -26,20 +26,21 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from .._core.config import KernelConfig, stat_dtype
-from .._core.operands import (
+from ..._core.config import KernelConfig, stat_dtype
+from ..._core.operands import (
     Operands,
+    add_block,
     differentiable_part,
     map_fields,
     reduce_to,
     replace,
     zeros_for,
 )
-from .._mods.tracing import apply_score_mod
-from .._semantics.score_terms import accumulate
-from .._semantics.softmax import finite_lse
+from ..._mods.tracing import apply_score_mod
+from ..._semantics.score_terms import cotangents
+from ..schedule import Bands, Limits, band_ranges, run_limits
 from .heads import Head, per_head
-from .schedule import Bands, Limits, band_ranges, over_band, run_limits
+from .loops import over_band
 from .tile import (
     dropout_multiplier,
     folds_scale,
@@ -48,20 +49,11 @@ from .tile import (
     scaled,
     score_terms,
     tile_mod_indices,
+    tile_operands,
     tile_positions,
     transposed,
     visit,
 )
-
-
-def backward_statistics(out: Array, lse: Array, d_out: Array, d_lse: Array
-                        ) -> tuple[Array, Array]:
-    """`(lse, delta)` for `backward`: lse with -inf made finite (`finite_lse`), and
-    `delta = rowsum(dO * O) - d_lse` in the statistics dtype. (d lse / d s is the
-    softmax, so an lse cotangent just shifts the softmax-backward delta.)"""
-    stat = stat_dtype(out.dtype)
-    delta = jnp.sum(d_out.astype(stat) * out.astype(stat), axis=-1) - d_lse.astype(stat)
-    return finite_lse(lse), delta
 
 
 class _QueryBlocks(NamedTuple):
@@ -107,7 +99,7 @@ def backward(
     wanted: Operands,
 ) -> tuple[Array, Array, Array, Operands]:
     """Cotangents of q, k, v and of the differentiable operands, given `lse` and `delta`
-    from `backward_statistics` and the cotangent `d_out` of `out`.
+    from `_semantics.softmax.backward_statistics` and the cotangent `d_out` of `out`.
 
     `wanted` is `differentiable_part(ops)` with a bool per leaf: whether its cotangent
     is needed. Only those are accumulated (a constant bias costs no reduction per block,
@@ -119,7 +111,8 @@ def backward(
         ops = replace(ops, score_mod_arrays=free,
                       score_mod_consts=eqx.combine(frozen, ops.score_mod_consts))
     kernel = functools.partial(_backward_head, cfg, band_ranges(cfg, by="k"), wanted)
-    d_q, d_k, d_v, d_ops = per_head(kernel, ops, (q, k, v, d_out, lse, delta))
+    d_q, d_k, d_v, d_ops = per_head(kernel, ops, (q, k, v, d_out, lse, delta),
+                                    parallel=cfg.parallel_heads)
     # Per-(batch, kv head) cotangents, summed where the operand broadcast over them.
     return d_q, d_k, d_v, map_fields(reduce_to, d_ops, differentiable_part(ops))
 
@@ -254,8 +247,9 @@ def _backward_tile(
     if head.operands.has_score_terms:  # ds is the cotangent of the score terms too
         d_scores_t = ds.reshape(cfg.block_k, inputs.groups, cfg.block_q)  # no copy
         q_pos, k_pos = tile_positions(cfg, q_start, block.start)
-        d_ops = accumulate(d_ops, head.operands, d_scores_t, q_start, block.start, q_pos,
-                           k_pos, cfg.score_offset)
+        blk = tile_operands(cfg, head.operands, q_start, block.start)
+        parts = cotangents(blk, d_ops, d_scores_t, q_pos, k_pos, cfg.score_offset)
+        d_ops = add_block(d_ops, parts, q_start, block.start)
     ds = ds.astype(inputs.dtype)
     # dk against the scaled queries is exact; dq is scaled once at the end.
     dk_b = dk_b + jnp.matmul(ds, query.q_rows[i], preferred_element_type=stat)

@@ -9,6 +9,13 @@ the split-K partial results, merged at the end by `softmax.merge_all`. The loop 
 over the rounds that the run-time limits leave (lengths, segment ids, the band), so a
 long, mostly empty cache costs its valid part. Same inputs and outputs as
 `forward.forward`; the backward pass is the regular `backward.backward`.
+
+It runs where the configuration says (`KernelConfig.split_k`: `policy.configure` sets
+`splits` for few queries without score terms, score_mod or mask_mod). It copes with
+garbage (NaN) in the keys and values that nothing attends, so the caller need not clean
+K and V first: for one decoding step that clean-up pass would cost more than the
+attention itself. (Under differentiation they are cleaned all the same:
+`_autodiff.derivatives`.)
 """
 
 import dataclasses
@@ -18,11 +25,12 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from .._core.config import KernelConfig, stat_dtype
-from .._core.operands import Operands, padded
-from .._semantics import softmax
+from ..._core.config import KernelConfig, stat_dtype
+from ..._core.operands import Operands, padded
+from ..._core.shapes import ceil_div
+from ..._semantics import softmax
+from ..schedule import band_ranges, run_limits
 from .heads import Head, Rows, per_head
-from .schedule import band_ranges, run_limits
 from .tile import (
     allowed,
     attended_values,
@@ -34,21 +42,13 @@ from .tile import (
 )
 
 
-def split_k_applies(cfg: KernelConfig, ops: Operands) -> bool:
-    """Whether the forward is this kernel (`cfg.splits > 1` and no score terms, score_mod
-    or mask_mod). It copes with garbage (NaN) in the keys and values that nothing
-    attends, so the caller need not clean K and V first: for one decoding step that
-    clean-up pass would cost more than the attention itself. (Under differentiation they
-    are cleaned all the same: `_autodiff.derivatives`.)"""
-    return cfg.splits > 1 and not ops.has_score_terms and cfg.mods is None
-
-
 def split_k_forward(cfg: KernelConfig, q: Array, k: Array, v: Array, ops: Operands
                     ) -> tuple[Array, Array, Array]:
     """`forward.forward` with the key blocks taken `cfg.splits` at a time, one lane each.
     K and V are read in place, a round at a time (`heads.Rows`): a long cache is read
     once, not first copied head by head."""
-    return per_head(functools.partial(_split_k_head, cfg), ops, (q,), whole=(k, v))
+    return per_head(functools.partial(_split_k_head, cfg), ops, (q,), whole=(k, v),
+                    parallel=cfg.parallel_heads)
 
 
 def _split_k_head(
@@ -93,8 +93,8 @@ def _split_k_head(
                 k_pos = k_start + jnp.arange(width, dtype=jnp.int32).reshape(1, 1, width)
                 mask = mask & (k_pos >= r * width)
             s = jnp.where(mask, s, -jnp.inf)
-            # The cache is not cleaned up front (`split_k_applies`): a value row that no
-            # query of this block sees may be garbage (NaN), and 0 * NaN is NaN.
+            # The cache is not cleaned up front (`_api.flash`): a value row that no query
+            # of this block sees may be garbage (NaN), and 0 * NaN is NaN.
             v_blk, reaches_nonfinite = attended_values(v_blk, mask, lanes=lanes)
             s = jnp.moveaxis(s.reshape(groups, cfg.block_q, lanes, bk), 2, 0)
             p, alpha, row_max, row_sum = softmax.rescale(state, s)
@@ -107,7 +107,7 @@ def _split_k_head(
             acc = softmax.poison(alpha[..., None] * state.acc + pv, reaches_nonfinite)
             return softmax.Running(acc, row_max, row_sum)
 
-        state = jax.lax.fori_loop(lo[i] // lanes, -(-hi[i] // lanes), one_round, state)
+        state = jax.lax.fori_loop(lo[i] // lanes, ceil_div(hi[i], lanes), one_round, state)
         out, lse = softmax.finish(*state)  # per lane: (lanes, g, bq, dv), (lanes, g, bq)
         max_score = jnp.max(softmax.max_score(state.row_max, state.row_sum), axis=0)
         return None, (*softmax.merge_all(out, lse, axis=0), max_score)
