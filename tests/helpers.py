@@ -119,8 +119,8 @@ def oracle_attention(q, k, v, mask=None, *, causal=False, window=None, scale=Non
     Keywords as `flash_attention`'s, in one layout: q `(B, H, SQ, D)`, k and v `(B, KH,
     SK, D|DV)` (GQA by repeating k and v); `mask`, `kv_segment_ids`, `kv_positions` `(B,
     SK)`; `q_segment_ids`, `q_positions` `(B, SQ)`; lengths `(B,)` (or lists); slopes and
-    sinks broadcastable to `(B, H)`; bias broadcastable to `(B, H, SQ, SK)`. The score is `scale * q.k +
-    bias - slope * |p - j|`, soft-capped; causal and the window are around `p = i +
+    sinks broadcastable to `(B, H)`; bias broadcastable to `(B, H, SQ, SK)`. The score is
+    `scale * q.k + bias - slope * |p - j|`, soft-capped; causal and the window are around `p = i +
     kv_len - q_len` (bottom-right on the valid lengths; ALiBi on the full lengths, `p =
     i + SK - SQ`), or, with positions, around the query's position with ALiBi on
     `|q_pos - kv_pos|` and the lengths marking padding only. Sinks join each row's

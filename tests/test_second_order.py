@@ -207,9 +207,12 @@ def _checker_inputs(options, dtype=jnp.float32):
     q = jnp.asarray(rng.standard_normal((2, 4, SEQ_Q, 8)), dtype)
     k = jnp.asarray(rng.standard_normal((2, 2, SEQ_K, 8)), dtype)
     v = jnp.asarray(rng.standard_normal((2, 2, SEQ_K, 8)), dtype)
-    kwargs = {n: (jnp.asarray(x, dtype if np.issubdtype(np.asarray(x).dtype, np.floating)
-                              else None) if isinstance(x, np.ndarray) else x)
-              for n, x in options.items()}
+    def as_input(x):  # floats in the test's dtype; ids as int32 (int64 under x64 is refused)
+        if np.issubdtype(x.dtype, np.floating):
+            return jnp.asarray(x, dtype)
+        return jnp.asarray(x, jnp.int32 if np.issubdtype(x.dtype, np.integer) else None)
+
+    kwargs = {n: as_input(x) if isinstance(x, np.ndarray) else x for n, x in options.items()}
     if kwargs.pop("bias", False) is True:
         kwargs["bias"] = jnp.asarray(rng.standard_normal((4, SEQ_Q, SEQ_K)), dtype)
     return AttentionInputs(q, k, v, {**BLOCKS, **kwargs})
