@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from ..._core.config import KernelConfig, choose_block, default_blocks
 from ..._core.operands import Operands
-from ..._core.shapes import ceil_div
+from ..._core.shapes import Shapes, ceil_div
 from ..contract import Call, Machine
 
 # Flash-decoding (`split_k`): a call with at most this many queries against at least
@@ -33,6 +33,8 @@ def configure(call: Call, machine: Machine, split_k: bool) -> KernelConfig:
     options, shapes, ops = call.options, call.shapes, call.ops
     fine = wants_fine_blocks(ops, call.mask_mod) or not machine.single_cpu_device
     tuned_q, tuned_k = default_blocks(options.window, shapes.groups, fine, shapes.seq_k)
+    if machine.backend in ACCELERATORS:
+        tuned_q, tuned_k = accelerator_blocks(shapes)
     if shapes.seq_q <= SPLIT_K_MAX_Q:
         tuned_k = min(tuned_k, DECODE_BLOCK_K)
     cfg = KernelConfig(
@@ -55,6 +57,31 @@ def configure(call: Call, machine: Machine, split_k: bool) -> KernelConfig:
     # Score terms run the regular forward (the split-K one adds none), at the blocks
     # evened out for it all the same.
     return dataclasses.replace(cfg, splits=1) if ops.has_score_terms else cfg
+
+
+# On an accelerator every block step is one batched product over batch x heads
+# (`heads_in_parallel`), and a step whose logits pass what stays on chip round-trips them
+# through HBM: measured on a TPU v5e (bf16, 16 heads of dim 128, 16k tokens per batch;
+# `benchmarks/tune_pallas.md`, "XLA kernels"), the fastest forward blocks held 64 MiB of
+# float32 logits per step at every sequence length: 256 x 256 at seq 1024 (batch 16),
+# 512 x 512 at 4096 (batch 4), 1024 x 1024 at 16384 (batch 1); the CPU defaults (1024 x
+# 2048) ran 2.4-4.5x slower at 1024-4096. Measured on a TPU; the GPU default until a GPU
+# is measured.
+ACCELERATORS = ("tpu", "gpu")
+ACCELERATOR_STEP_BYTES = 64 * 2**20
+ACCELERATOR_BLOCKS = ((1024, 1024), (512, 1024), (512, 512), (256, 512), (256, 256),
+                      (128, 256), (128, 128))
+
+
+def accelerator_blocks(shapes: Shapes) -> tuple[int, int]:
+    """The largest of `ACCELERATOR_BLOCKS` whose logits for every (batch, head) of the
+    call fit `ACCELERATOR_STEP_BYTES` (a batch the caller `vmap`s is not seen here; its
+    blocks are those of one example)."""
+    rows = shapes.batch * shapes.heads  # a block step's query rows per query row of a block
+    for block_q, block_k in ACCELERATOR_BLOCKS:
+        if rows * block_q * block_k * 4 <= ACCELERATOR_STEP_BYTES:
+            return block_q, block_k
+    return ACCELERATOR_BLOCKS[-1]
 
 
 def wants_fine_blocks(ops: Operands, mask_mod: bool) -> bool:
