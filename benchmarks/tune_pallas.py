@@ -28,8 +28,10 @@ import jax, jax.numpy as jnp, numpy as np
 from eqx_flash._core.config import KernelConfig
 from eqx_flash._core.options import Window
 from eqx_flash._core.operands import Operands
-from eqx_flash._kernels.forward import forward as xf
-from eqx_flash._kernels.backward import backward as xb, backward_statistics
+from eqx_flash._core.operands import differentiable_part
+from eqx_flash._kernels.xla.forward import forward as xf
+from eqx_flash._kernels.xla.backward import backward as xb
+from eqx_flash._semantics.softmax import backward_statistics
 from eqx_flash._kernels.pallas_tpu.forward import forward as pf
 from eqx_flash._kernels.pallas_tpu.backward import backward as pb
 from eqx_flash._kernels.pallas_tpu._tile import Tuning
@@ -54,7 +56,8 @@ def both(fwd, bwd, cfg, ops):
     def f(q, k, v, do):
         out, lse, mx = fwd(cfg, q, k, v, ops)
         slse, delta = backward_statistics(out, lse, do, jnp.zeros_like(lse))
-        dq, dk, dv, _ = bwd(cfg, q, k, v, ops, slse, delta, do, None)
+        wanted = jax.tree.map(lambda _: False, differentiable_part(ops))
+        dq, dk, dv, _ = bwd(cfg, q, k, v, ops, slse, delta, do, wanted)
         return out, lse, mx, dq, dk, dv
     return jax.jit(f)
 

@@ -3,6 +3,7 @@ import importlib.metadata
 from ._api.cosine import cosine_sim_flash_attention as cosine_sim_flash_attention
 from ._api.flash import causal_flash_attention as causal_flash_attention
 from ._api.flash import flash_attention as flash_attention
+from ._api.kernel_choice import kernel_family as kernel_family
 from ._api.merge import merge_attention as merge_attention
 from ._api.reference import plain_attention as plain_attention
 from ._api.sanity import value_and_grad_difference as value_and_grad_difference

@@ -46,7 +46,9 @@ if "JAX_DEFAULT_MATMUL_PRECISION" not in os.environ:
 # The optimisations are off only to compile faster on CPU; on an accelerator (`pytest -m
 # accelerator` on a TPU) the tests run the programs users get. (The old-emitters probe above
 # runs with JAX_PLATFORMS=cpu, so it never opens an accelerator; its flag is CPU-only.)
-if jax.default_backend() != "cpu":
+# EQX_FLASH_TEST_FAST_COMPILE=1 keeps them off there too, where compiling is what a short
+# accelerator session cannot afford (Mosaic kernels compile the same either way).
+if jax.default_backend() != "cpu" and os.environ.get("EQX_FLASH_TEST_FAST_COMPILE") != "1":
     jax.config.update("jax_disable_most_optimizations", False)
 
 

@@ -14,7 +14,7 @@ import eqx_flash
 from eqx_flash._api.binder import bind
 from eqx_flash._api.flash import call_of
 from eqx_flash._kernels import dispatch
-from eqx_flash._kernels.contract import KernelFamily
+from eqx_flash._kernels.contract import KernelFamily, Machine
 
 BLOCKS = dict(block_q=8, block_k=8)
 
@@ -41,7 +41,7 @@ class _Spy:
             return "causal" if not cfg.window.is_unbounded else None
 
         monkeypatch.setitem(dispatch.FAMILIES, "spy", KernelFamily("spy", covers, forward))
-        monkeypatch.setattr(dispatch, "DEFAULT_ORDER", ("spy", "xla"))
+        monkeypatch.setattr(dispatch, "default_order", lambda machine: ("spy", "xla"))
         jax.clear_caches()
 
 
@@ -117,3 +117,18 @@ def test_every_piece_of_a_call_runs_the_family_chosen_for_it(monkeypatch):
     causal = spy.forwards
     eqx_flash.flash_attention(q, k, v, causal=True, **BLOCKS)  # not covered: xla's
     assert spy.forwards == causal
+
+
+def test_the_default_order_puts_the_pallas_kernels_first_on_one_tpu_only():
+    order = dispatch.default_order
+    assert order(Machine("tpu", 1)) == ("pallas_tpu", "xla")
+    assert order(Machine("tpu", 4)) == ("xla",)  # meshes: the partitioner's kernels
+    assert order(Machine("cpu", 1)) == order(Machine("gpu", 1)) == ("xla",)
+
+
+def test_second_order_hands_mosaic_kernels_to_the_xla_family():
+    cfg = dispatch.choose(_call(**BLOCKS), "pallas_tpu")
+    assert cfg.family == "pallas_tpu"
+    assert dispatch.differentiable(cfg) == dataclasses.replace(cfg, family="xla")
+    xla = dispatch.choose(_call(**BLOCKS), "xla")
+    assert dispatch.differentiable(xla) is xla

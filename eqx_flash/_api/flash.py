@@ -38,6 +38,7 @@ from .._core.types import (
     Bias,
     BlockSize,
     Flag,
+    KernelsName,
     Key,
     KeyMask,
     KeyPositions,
@@ -81,7 +82,7 @@ def prepare_kernels(bound: Bound) -> tuple[KernelConfig, Operands]:
     `_kernels.dispatch.choose`) and its operands with the modifications' arrays and
     block summary added (`score_mod`/`mask_mod` are traced at the block sizes chosen)."""
     shapes, ops = bound.shapes, bound.operands
-    cfg = choose(call_of(bound))
+    cfg = choose(call_of(bound), bound.options.kernels)
     mods, mod_ops = trace_mods(bound.score_mod, bound.mask_mod, shapes.heads, shapes.groups,
                                cfg.block_q, cfg.block_k, stat_dtype(bound.q.dtype),
                                varying_axes_of((bound.q, bound.k, bound.v, ops)))
@@ -158,6 +159,7 @@ def flash_attention(
     softcap: OptionalReal = None,
     block_q: BlockSize = None,
     block_k: BlockSize = None,
+    kernels: KernelsName = None,
     dropout_rate: RealNumber = 0.0,
     key: PRNGKeyArray | None = None,
     bias: Bias | None = None,
@@ -210,7 +212,14 @@ def flash_attention(
         position arrays and index them with `q_idx`/`kv_idx`.
     - `scale`: logit scale, default `1/sqrt(dim)`.
     - `softcap`: if given, logits become `softcap * tanh(logits / softcap)` after scaling.
-    - `block_q`, `block_k`: block sizes; default to values tuned for CPU.
+    - `block_q`, `block_k`: block sizes; default to values tuned for the machine and the
+        kernel family.
+    - `kernels`: which kernel family runs the call: `None` (default) chooses — the
+        Pallas TPU kernels on one TPU where they cover the call, else the pure-JAX
+        ones (`eqx_flash.kernel_family` says which and why); `"xla"` the pure-JAX
+        kernels (any backend); `"pallas_tpu"` the Pallas kernels (Mosaic on a TPU,
+        Pallas' interpreter elsewhere: slow, for tests), a `NotImplementedError`
+        naming what they do not cover.
     - `dropout_rate`, `key`: dropout on the attention weights (needs a PRNG `key`).
     - `bias`: additive float bias broadcastable to `(*batch, heads, seq_q, seq_k)`, any
         float dtype; differentiable (its cotangent is reduced over the axes it was

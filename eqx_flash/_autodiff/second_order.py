@@ -47,6 +47,7 @@ from jax.interpreters import ad, batching, mlir
 from jaxtyping import Array
 
 from .._core.config import KernelConfig
+from .._kernels.dispatch import differentiable
 from .batching import batch_by_map
 from .guard import THIRD_ORDER_MESSAGE, add_guard_tangent, is_zero_tangent
 from .residuals import (
@@ -78,6 +79,9 @@ def _split(args: Sequence[Any], res_tree, mode: Mode, wa, wb
 def _second_fn(*args, cfg: KernelConfig, res_tree, mode: Mode, wa, wb, given_moved
                ) -> list[Array]:
     res, _, a, w, moved = _split(args, res_tree, mode, wa, wb)
+    # The first-order kernels are differentiated here: kernels JAX cannot differentiate
+    # (Mosaic's) hand over to the xla family's.
+    cfg = differentiable(cfg)
     # out and lse move along w by the first derivative.
     d_out, d_lse = moved if given_moved else apply_tangent(cfg, res, wb, w)
 

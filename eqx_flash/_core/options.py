@@ -51,6 +51,8 @@ class AttentionOptions:
     block_q: int | None = None
     block_k: int | None = None
     dropout_rate: float = 0.0
+    # The kernel family asked for (`_kernels.dispatch.choose`): None lets the call choose.
+    kernels: str | None = None
 
     def scale_for(self, dim: int) -> float:
         return 1.0 / math.sqrt(dim) if self.scale is None else self.scale
@@ -65,6 +67,7 @@ def make_options(
     block_q: Any = None,
     block_k: Any = None,
     dropout_rate: Any = 0.0,
+    kernels: Any = None,
 ) -> AttentionOptions:
     """Check every option and return them normalised; raises `TypeError`/`ValueError`
     naming the argument. Runs on Python values only, so it works at trace time."""
@@ -78,12 +81,31 @@ def make_options(
         block_q=_block("block_q", block_q),
         block_k=_block("block_k", block_k),
         dropout_rate=check_rate("dropout_rate", dropout_rate),
+        kernels=check_kernels(kernels),
     )
+
+
+# The kernel families (`_kernels.dispatch.FAMILIES`): "xla", the pure-JAX loops that run
+# anywhere; "pallas_tpu", Mosaic kernels on a TPU (Pallas' interpreter elsewhere).
+KERNEL_FAMILIES = ("xla", "pallas_tpu")
+
+
+def check_kernels(kernels: Any) -> str | None:
+    """`kernels`: None (the call chooses) or the name of a kernel family."""
+    if kernels is None:
+        return None
+    if not isinstance(kernels, str):
+        raise TypeError(f"kernels must be None or a str naming a kernel family; got "
+                        f"kernels={kernels!r}")
+    if kernels not in KERNEL_FAMILIES:
+        names = ", ".join(repr(name) for name in KERNEL_FAMILIES)
+        raise ValueError(f"kernels must be None or one of {names}; got kernels={kernels!r}")
+    return kernels
 
 
 # The options that decide the compiled kernels, as the modules hold them in static
 # fields of these names (`_nn.module_call.static_options`).
-KERNEL_OPTIONS = ("causal", "window", "scale", "softcap", "block_q", "block_k")
+KERNEL_OPTIONS = ("causal", "window", "scale", "softcap", "block_q", "block_k", "kernels")
 
 
 def check_rate(name: str, value: Any) -> float:

@@ -24,7 +24,7 @@ which the API reference shows (`docs/signatures.py`) and type checkers see.
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Annotated, Any, TypeAlias
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeAlias
 
 import numpy as np
 from jaxtyping import Array, Bool, Float, Integer, Shaped
@@ -112,15 +112,18 @@ _OptionalReal = float | None
 # The window's sides: an int `w` for `(w, w)`, or `(left, right)`; None is unbounded.
 _WindowLike = int | tuple[int | None, int | None] | None
 _BlockSize = int | None
+_KernelsName = Literal["xla", "pallas_tpu"] | None
 if TYPE_CHECKING:
     Flag: TypeAlias = _Flag
     RealNumber: TypeAlias = _RealNumber
     OptionalReal: TypeAlias = _OptionalReal
     WindowLike: TypeAlias = _WindowLike
     BlockSize: TypeAlias = _BlockSize
+    KernelsName: TypeAlias = _KernelsName
 else:
     Flag = Annotated[Any, Documented(_Flag)]
     RealNumber = Annotated[Any, Documented(_RealNumber)]
     OptionalReal = Annotated[Any, Documented(_OptionalReal)]
     WindowLike = Annotated[Any, Documented(_WindowLike)]
     BlockSize = Annotated[Any, Documented(_BlockSize)]
+    KernelsName = Annotated[Any, Documented(_KernelsName)]

@@ -41,6 +41,7 @@ from .._core.types import (
     Attended,
     BlockSize,
     Flag,
+    KernelsName,
     Key,
     KeyMask,
     KeyPositions,
@@ -289,6 +290,7 @@ def ring_flash_attention(
     softcap: OptionalReal = None,
     block_q: BlockSize = None,
     block_k: BlockSize = None,
+    kernels: KernelsName = None,
     layout: Layout = "contiguous",
     q_lengths: Any = None,
     kv_lengths: Any = None,
@@ -337,6 +339,7 @@ def ring_flash_attention(
         score over every key of the ring (a running max carried with the merge).
     - `axis_name`: the mesh axis the sequence is sharded over.
     - `block_q`, `block_k`: kernel block sizes within one chunk.
+    - `kernels`: the kernel family of every chunk pair, as in `flash_attention`.
     - `layout`: how the global sequence was cut into the shards. `"contiguous"`: device
         `i` holds the `i`-th slice. `"zigzag"`: the sequence is cut into `2n` chunks and
         device `i` holds chunks `i` and `2n-1-i` (balances causal work). `"striped"`:
@@ -410,7 +413,8 @@ def ring_of(bound: Bound, axis_name: Hashable, n: int, layout: Layout, local: An
                 f"must be divisible by {m}"
             )
     piece = dataclasses.replace(shapes, seq_q=shapes.seq_q // m, seq_k=shapes.seq_k // m)
-    base = choose(call_of(bound, piece), split_k=False)  # the kernel choice, made once
+    # The kernel choice, made once.
+    base = choose(call_of(bound, piece), bound.options.kernels, split_k=False)
     mods, mod_ops = trace_mods(bound.score_mod, bound.mask_mod, shapes.heads, shapes.groups,
                                base.block_q, base.block_k, stat_dtype(bound.q.dtype))
     # ALiBi aligns the global indices on the global sequence (`ring_operands`). Lengths

@@ -32,6 +32,7 @@ from .._core.types import (
     Bias,
     BlockSize,
     Flag,
+    KernelsName,
     Key,
     KeyMask,
     KeyPositions,
@@ -90,6 +91,7 @@ def sharded_flash_attention(
     softcap: OptionalReal = None,
     block_q: BlockSize = None,
     block_k: BlockSize = None,
+    kernels: KernelsName = None,
     bias: Bias | None = None,
     alibi_slopes: AlibiSlopes | None = None,
     sinks: Sinks | None = None,
@@ -104,7 +106,8 @@ def sharded_flash_attention(
     **Arguments:**
 
     - `q`, `k`, `v`, `mask`, `causal`, `window`, `q_segment_ids`, `kv_segment_ids`,
-        `scale`, `softcap`, `block_q`, `block_k`: as in `flash_attention` (global arrays).
+        `scale`, `softcap`, `block_q`, `block_k`, `kernels`: as in `flash_attention`
+        (global arrays; `kernels` picks the family each device's kernels come from).
     - `q_lengths`, `kv_lengths`: as in `flash_attention`, carried round the ring as
         segment ids (padding gets ids no valid row has, and is zeroed so that NaN there
         reaches nothing); blocks past the lengths are still computed. With `causal` or a

@@ -28,7 +28,7 @@ from jaxtyping import Array, ArrayLike
 from .._api.binder import is_concrete
 from .._api.flash import flash_attention
 from .._core.options import make_options
-from .._core.types import Flag, OptionalReal
+from .._core.types import Flag, KernelsName, OptionalReal
 
 
 def flash_attn_func(
@@ -45,6 +45,7 @@ def flash_attn_func(
     return_attn_probs: Flag = False,
     *,
     key: Any = None,
+    kernels: KernelsName = None,
 ) -> Array | tuple[Array, Array, None]:
     """FlashAttention-2's `flash_attn_func` on `(batch, seqlen, heads, dim)` arrays.
 
@@ -55,7 +56,8 @@ def flash_attn_func(
     `softcap` (`0.0`: none); `alibi_slopes` `(heads,)` or `(batch, heads)`, added after
     the soft cap as FA2 does (`softcap * tanh(scale * q.k / softcap) - slope * |i +
     seqlen_k - seqlen_q - j|`); `deterministic` (eqx_flash's backward pass is always
-    deterministic: accepted, ignored); `return_attn_probs`.
+    deterministic: accepted, ignored); `return_attn_probs`; and eqx_flash's `kernels`
+    (the kernel family, as in `flash_attention`).
 
     **Returns:** `out` `(batch, seqlen_q, heads, dim)`; with `return_attn_probs`, `(out,
     softmax_lse, None)`, the lse `(batch, heads, seqlen_q)` in float32 (the probabilities
@@ -72,7 +74,7 @@ def flash_attn_func(
                                              offset=k.shape[-2] - q.shape[-2])
     elif alibi_slopes is not None:
         options["alibi_slopes"] = jnp.asarray(alibi_slopes)
-    out, lse = flash_attention(q, k, v, **options)
+    out, lse = flash_attention(q, k, v, **options, kernels=kernels)
     out = jnp.swapaxes(out, -3, -2)
     return (out, lse, None) if return_attn_probs else out
 
@@ -95,6 +97,7 @@ def flash_attn_varlen_func(
     return_attn_probs: Flag = False,
     *,
     key: Any = None,
+    kernels: KernelsName = None,
 ) -> Array | tuple[Array, Array, None]:
     """FlashAttention-2's `flash_attn_varlen_func` on packed sequences.
 
@@ -140,7 +143,7 @@ def flash_attn_varlen_func(
         else:
             by_sequence["alibi_slopes"] = slopes[0]
     q, k, v = (jnp.swapaxes(x, 0, 1) for x in (q, k, v))  # (heads, total, dim)
-    out, lse = flash_attention(q, k, v, **by_sequence, **options)
+    out, lse = flash_attention(q, k, v, **by_sequence, **options, kernels=kernels)
     out = jnp.swapaxes(out, 0, 1)
     return (out, lse, None) if return_attn_probs else out
 

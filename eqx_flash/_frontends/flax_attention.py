@@ -33,6 +33,7 @@ def flax_attention(
     module: Any = None,
     promote_dtype: Callable[..., Any] | None = None,
     is_causal: bool = False,
+    kernels: Any = None,
 ) -> Array:
     """Flax's `dot_product_attention`, as an `attention_fn`:
     `nnx.MultiHeadAttention(..., attention_fn=eqx_flash.flax_attention)` or
@@ -54,6 +55,8 @@ def flax_attention(
     - `module`: what Flax passes with `sow_weights=True`; raises `NotImplementedError`,
         since flash attention never forms the weights.
     - `is_causal`: causal, aligned top-left as Flax (through jax.nn) aligns it.
+    - `kernels` (eqx_flash's): the kernel family, as in `flash_attention`; bind it with
+        `functools.partial(eqx_flash.flax_attention, kernels=...)`.
 
     **Returns:** `[batch..., q_length, heads, depth]`. A row with nothing to attend gives 0
     (Flax's own function averages the values there).
@@ -85,5 +88,6 @@ def flax_attention(
     if mask is not None:
         mask = jnp.asarray(mask).astype(bool)
     out, _ = attend_in_jax_nn_layout(query, key, value, bias, mask, is_causal=is_causal,
-                                     dropout_rate=rate, dropout_key=dropout_rng if rate else None)
+                                     dropout_rate=rate, dropout_key=dropout_rng if rate else None,
+                                     kernels=kernels)
     return out.reshape(*batch_shape, *out.shape[-3:])

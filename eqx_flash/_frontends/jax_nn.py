@@ -20,7 +20,7 @@ from jaxtyping import Array, ArrayLike
 
 from .._api.binder import is_concrete
 from .._api.flash import flash_attention
-from .._core.types import Flag, OptionalReal
+from .._core.types import Flag, KernelsName, OptionalReal
 
 # Segment ids: valid tokens share 0; a padded query's id and a padded key's id differ
 # from it and from each other, so padding attends nothing and is attended by nothing.
@@ -43,6 +43,7 @@ def dot_product_attention(
     local_window_size: int | tuple[int, int] | None = None,
     implementation: Any = None,
     return_residual: Flag = False,
+    kernels: KernelsName = None,
 ) -> Array | tuple[Array, Array]:
     """A drop-in replacement for `jax.nn.dot_product_attention`: the same arguments,
     layout, broadcasting and return values, computed by eqx_flash's blockwise kernels
@@ -68,6 +69,7 @@ def dot_product_attention(
         place).
     - `return_residual`: also return the log-sum-exp `(B, T, N)` (or `(T, N)`), in the
         inputs' dtype, without gradient, as jax.nn does.
+    - `kernels` (eqx_flash's, not jax.nn's): the kernel family, as in `flash_attention`.
 
     **Returns:** the output, shaped like `query`; with `return_residual`, `(output, lse)`.
 
@@ -80,6 +82,9 @@ def dot_product_attention(
         raise ValueError(f"implementation must be one of {_IMPLEMENTATIONS}; got "
                          f"implementation={implementation!r}")
     if implementation in ("xla", "cudnn"):
+        if kernels is not None:
+            raise ValueError(f"kernels={kernels!r} picks eqx_flash's kernels, but "
+                             f"implementation={implementation!r} hands the call to jax.nn")
         handed_over: Any = jax.nn.dot_product_attention  # its overloads need literal flags
         return handed_over(
             query, key, value, bias, mask, scale=scale, is_causal=is_causal,
@@ -91,7 +96,7 @@ def dot_product_attention(
     out, lse = attend_in_jax_nn_layout(
         query, key, value, bias, mask, scale=scale, is_causal=is_causal,
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
-        local_window_size=local_window_size)
+        local_window_size=local_window_size, kernels=kernels)
     if not return_residual:
         return out
     return out, jax.lax.stop_gradient(lse.astype(jnp.asarray(key).dtype))
@@ -102,6 +107,7 @@ def attend_in_jax_nn_layout(
     mask: ArrayLike | None, *, scale: Any = None, is_causal: Any = False,
     query_seq_lengths: ArrayLike | None = None, key_value_seq_lengths: ArrayLike | None = None,
     local_window_size: Any = None, dropout_rate: Any = 0.0, dropout_key: Any = None,
+    kernels: Any = None,
 ) -> tuple[Array, Array]:
     """`(out, lse)` of `dot_product_attention` (which see), plus eqx_flash's dropout on
     the weights (the Flax front end's): the lse in jax.nn's layout and float32."""
@@ -162,7 +168,7 @@ def attend_in_jax_nn_layout(
         q, k, v, attn_mask=mask_4d, bias=bias_4d, scale=static_scale, causal=is_causal,
         window=window,
         q_segment_ids=q_ids, kv_segment_ids=kv_ids, dropout_rate=dropout_rate,
-        key=dropout_key,
+        key=dropout_key, kernels=kernels,
     )
     out = jnp.swapaxes(out[:, :, :seq_q], 1, 2)  # back to (B, T, N, H)
     lse = jnp.swapaxes(lse[:, :, :seq_q], 1, 2)

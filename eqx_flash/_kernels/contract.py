@@ -152,6 +152,9 @@ class KernelFamily(NamedTuple):
     forward_and_tangent: ForwardAndTangentKernel | None = None
     split_k_forward: ForwardKernel | None = None
     configure: Configure | None = None
+    # Whether JAX can differentiate the kernels themselves (second order differentiates
+    # the first-order kernels; `dispatch.differentiable` swaps in xla's where not).
+    differentiable: bool = True
 
 
 class Kernels(NamedTuple):

@@ -1,6 +1,6 @@
 """The kernel choice, made once per call: which family runs it and how it is configured.
 
-`choose` asks the families in turn (a requested one, or `DEFAULT_ORDER`) for their
+`choose` asks the families in turn (a requested one, or `default_order`) for their
 configuration of the call and whether they cover it, and records the answer in the
 static `KernelConfig` (`family`, block sizes, split-K, heads in parallel, compute
 dtype). Everything downstream — the forward wiring (`_api.flash`), the derivative rules
@@ -17,12 +17,22 @@ from jaxtyping import Array
 
 from .._core.config import KernelConfig
 from .._core.operands import Operands
+from .._core.options import KERNEL_FAMILIES
 from .contract import Call, KernelFamily, Kernels, Machine
+from .pallas_tpu.family import FAMILY as PALLAS_TPU
 from .xla.family import FAMILY as XLA
 
-FAMILIES: dict[str, KernelFamily] = {XLA.name: XLA}
-# The families `kernels=None` tries, in order; the last covers every call.
-DEFAULT_ORDER: tuple[str, ...] = (XLA.name,)
+FAMILIES: dict[str, KernelFamily] = {XLA.name: XLA, PALLAS_TPU.name: PALLAS_TPU}
+assert tuple(FAMILIES) == KERNEL_FAMILIES  # the names `make_options` accepts
+
+
+def default_order(machine: Machine) -> tuple[str, ...]:
+    """The families `kernels=None` tries, in order; the last (xla) covers every call. On
+    one TPU the Pallas kernels first; under several devices (meshes, `shard_map`) the
+    pure-JAX kernels, whose sharding XLA's partitioner handles."""
+    if machine.backend == "tpu" and machine.device_count == 1:
+        return (PALLAS_TPU.name, XLA.name)
+    return (XLA.name,)
 
 
 def machine() -> Machine:
@@ -32,7 +42,7 @@ def machine() -> Machine:
 
 
 def choose(call: Call, kernels: str | None = None, *, split_k: bool = True) -> KernelConfig:
-    """The `KernelConfig` of `call`: the first family of `DEFAULT_ORDER` that covers it
+    """The `KernelConfig` of `call`: the first family of `default_order` that covers it
     (`kernels=None`), or the one named by `kernels`, configured by that family.
     `split_k=False` rules flash-decoding out (the ring's chunk pairs).
 
@@ -43,18 +53,54 @@ def choose(call: Call, kernels: str | None = None, *, split_k: bool = True) -> K
         names = ", ".join(repr(n) for n in FAMILIES)
         raise ValueError(f"kernels must be None or one of {names}; got kernels={kernels!r}")
     facts = machine()
-    for name in DEFAULT_ORDER if kernels is None else (kernels,):
-        family = FAMILIES[name]
-        configure = family.configure or _xla().configure
-        assert configure is not None
-        cfg = dataclasses.replace(configure(call, facts, split_k), family=name)
-        reason = family.covers(cfg, call)
+    for name in default_order(facts) if kernels is None else (kernels,):
+        cfg = _configured(name, call, facts, split_k)
+        reason = FAMILIES[name].covers(cfg, call)
         if reason is None:
             return cfg
         if kernels is not None:
             raise NotImplementedError(
                 f"kernels={kernels!r} does not cover this call: {reason}")
-    raise AssertionError(f"no family of DEFAULT_ORDER={DEFAULT_ORDER} covers the call")
+    raise AssertionError("the xla family covers every call")
+
+
+def why(call: Call, kernels: str | None = None) -> tuple[str | None, str]:
+    """`(family, reason)`: the family `choose` takes for `call` and why, or `(None, what
+    the requested family lacks)` (`eqx_flash.kernel_family`)."""
+    try:
+        cfg = choose(call, kernels)
+    except NotImplementedError as error:
+        return None, str(error)
+    if kernels is not None:
+        return cfg.family, f"kernels={kernels!r} was asked for, and it covers the call"
+    facts = machine()
+    order = default_order(facts)
+    passed = [f"{name} does not cover it: "
+              f"{FAMILIES[name].covers(_configured(name, call, facts), call)}"
+              for name in order[: order.index(cfg.family)]]
+    if passed:
+        return cfg.family, "; ".join(passed)
+    if len(order) > 1:
+        return cfg.family, f"the first default here ({', '.join(order)}), and it covers the call"
+    return cfg.family, (f"the only default on {facts.device_count} {facts.backend} device(s); "
+                        "the Pallas kernels are the default on one TPU")
+
+
+def _configured(name: str, call: Call, facts: Machine, split_k: bool = True) -> KernelConfig:
+    """`call` configured by family `name` (xla's policy where it has none), recorded."""
+    family = FAMILIES[name]
+    configure = family.configure or _xla().configure
+    assert configure is not None
+    return dataclasses.replace(configure(call, facts, split_k), family=name)
+
+
+def differentiable(cfg: KernelConfig) -> KernelConfig:
+    """`cfg` for kernels that are differentiated again (second order: `jax.jvp` of the
+    first-order kernels): a family whose kernels JAX cannot differentiate (Mosaic
+    kernels) hands those to the xla family, which reads the same arrays."""
+    if FAMILIES[cfg.family].differentiable:
+        return cfg
+    return dataclasses.replace(cfg, family=XLA.name)
 
 
 def family_of(cfg: KernelConfig) -> Kernels:

@@ -12,6 +12,7 @@ from .._core.types import (
     Bias,
     BlockSize,
     Flag,
+    KernelsName,
     KeyPositions,
     Lengths,
     MaskMod,
@@ -50,6 +51,7 @@ class FlashAttention(eqx.Module):
     scale: float | None = eqx.field(static=True)
     block_q: int | None = eqx.field(static=True)
     block_k: int | None = eqx.field(static=True)
+    kernels: str | None = eqx.field(static=True)
     # Not static, as in eqx.nn.Dropout: eqx.nn.inference_mode replaces `inference`.
     dropout_p: float
     inference: bool
@@ -67,6 +69,7 @@ class FlashAttention(eqx.Module):
         scale: OptionalReal = None,
         block_q: BlockSize = None,
         block_k: BlockSize = None,
+        kernels: KernelsName = None,
         dropout_p: RealNumber = 0.0,
         inference: bool = False,
         score_mod: ScoreMod | None = None,
@@ -79,7 +82,8 @@ class FlashAttention(eqx.Module):
             aligned position; `None` is unbounded.
         - `softcap`: if given, logits become `softcap * tanh(logits / softcap)`.
         - `scale`: logit scale, default `1/sqrt(dim)`.
-        - `block_q`, `block_k`: block sizes (default: tuned for CPU).
+        - `block_q`, `block_k`: block sizes (default: tuned for the machine).
+        - `kernels`: the kernel family, as in `flash_attention` (None: chosen per call).
         - `dropout_p`: dropout probability on the attention weights, in `[0, 1)`.
         - `inference`: if `True`, no dropout. Overridable per call.
         - `score_mod`, `mask_mod`: as in `flash_attention` (the module works on one
@@ -94,6 +98,7 @@ class FlashAttention(eqx.Module):
         self.scale = scale
         self.block_q = block_q
         self.block_k = block_k
+        self.kernels = kernels
         self.dropout_p = dropout_p
         self.inference = inference
 

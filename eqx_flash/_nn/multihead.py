@@ -17,6 +17,7 @@ from .._core.types import (
     Bias,
     BlockSize,
     Flag,
+    KernelsName,
     KeyPositions,
     Lengths,
     MaskMod,
@@ -80,6 +81,7 @@ class FlashMultiheadAttention(eqx.Module):
     softcap: float | None = eqx.field(static=True)
     block_q: int | None = eqx.field(static=True)
     block_k: int | None = eqx.field(static=True)
+    kernels: str | None = eqx.field(static=True)
     # Not static: an `eqx.Module` modification trains with the model (see FlashAttention).
     score_mod: ScoreMod | None
     mask_mod: MaskMod | None
@@ -109,6 +111,7 @@ class FlashMultiheadAttention(eqx.Module):
         softcap: OptionalReal = None,
         block_q: BlockSize = None,
         block_k: BlockSize = None,
+        kernels: KernelsName = None,
         score_mod: ScoreMod | None = None,
         mask_mod: MaskMod | None = None,
         use_sinks: bool = False,
@@ -130,7 +133,8 @@ class FlashMultiheadAttention(eqx.Module):
         - `dtype`: parameter dtype (default float32, or float64 in x64 mode).
         - `num_kv_heads`: key/value heads (default `num_heads`); must divide
             `num_heads`. Fewer gives grouped-query attention, 1 multi-query.
-        - `causal`, `window`, `softcap`, `block_q`, `block_k`: as in `flash_attention`.
+        - `causal`, `window`, `softcap`, `block_q`, `block_k`, `kernels`: as in
+            `flash_attention`.
         - `score_mod`, `mask_mod`: as in `flash_attention`, on the projected heads (`batch`
             is 0, `head` the query head); an `eqx.Module` such as `RelativePositionBias`
             trains with the layer. Replaceable per call.
@@ -186,6 +190,7 @@ class FlashMultiheadAttention(eqx.Module):
         self.softcap = softcap
         self.block_q = block_q
         self.block_k = block_k
+        self.kernels = kernels
         self.score_mod = score_mod
         self.mask_mod = mask_mod
         self.sinks = jnp.zeros(num_heads, self.query_proj.weight.dtype) if use_sinks else None
@@ -207,7 +212,7 @@ class FlashMultiheadAttention(eqx.Module):
 
         - `mha`: the module to convert.
         - `**flash_options`: any of `causal`, `window`, `softcap`, `block_q`, `block_k`,
-            `score_mod`, `mask_mod`, `use_sinks` (sinks initialised to 0).
+            `kernels`, `score_mod`, `mask_mod`, `use_sinks` (sinks initialised to 0).
 
         **Returns:**
 

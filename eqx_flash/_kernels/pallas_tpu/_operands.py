@@ -1,0 +1,219 @@
+"""The per-call arrays as the Pallas kernels read them, and the mask of one block.
+
+TPU vector registers are `(8, 128)` tiles. A kernel's logits put one side's positions
+along the sublanes (the tile's rows) and the other's along the lanes (its columns): the
+forward and the dq kernel have queries as rows, `(g, bq, bk)`; the dk/dv kernel has keys
+as rows, `(bk, bq)` per query head (`transposed`). An array of the row side is laid out
+`(..., seq, 128)` (each position's value repeated along the lanes) and slices to a column
+`(.., rows, 1)`; one of the column side `(..., 8, seq)` (repeated along the sublanes),
+slicing to a row `(.., 1, cols)` — as splash attention lays out segment ids. Lengths
+are scalars in SMEM, as is which key blocks hold a value that is not finite.
+
+The predicates are `_semantics.masking`'s own, evaluated on these block values, so the
+Pallas kernels, the XLA kernels and the reference agree on what attends.
+"""
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jaxtyping import Array
+
+from ..._core.config import KernelConfig
+from ..._core.operands import Operands
+from ..._core.options import Window
+from ..._semantics.masking import length_mask, positional_mask, within_window
+
+LANES, SUBLANES = 128, 8
+
+
+@dataclasses.dataclass(frozen=True)
+class _Side:
+    """One per-query (`query`) or per-key array: which of its leading `(batch, kv_heads,
+    groups)` axes are real (not broadcast), and whether its positions run along the
+    tile's rows."""
+
+    name: str
+    query: bool
+    rows: bool
+    batch: bool
+    heads: bool
+    groups: int
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockOperands:
+    """What a kernel reads besides q, k, v: `block_arrays` (one `_Side` each) and
+    `scalar_tables` (SMEM, named by `table_names`), and how a block's mask is made of
+    them. `transposed`: keys along the tile's rows (the dk/dv kernel)."""
+
+    sides: tuple[_Side, ...]
+    block_arrays: tuple[Array, ...]
+    scalar_tables: tuple[Array, ...]
+    table_names: tuple[str, ...]
+    transposed: bool
+    has_lengths: bool
+    has_positions: bool  # positions with a window: they mask
+    masks_data: bool  # a mask known only at run time applies to every block
+
+    def block_specs(self, block_q: int, block_k: int) -> list[pl.BlockSpec]:
+        """BlockSpecs for a grid `(batch, kv head, outer block, step)` whose first scalar
+        table is the plan's inner block per `(outer, step)`."""
+        return [_spec(side, block_q, block_k, self.transposed) for side in self.sides]
+
+    def table(self, tables: Sequence[Any], name: str) -> Any:
+        return tables[self.table_names.index(name)]
+
+    @property
+    def checks_values(self) -> bool:
+        return "bad_block" in self.table_names
+
+    def _value(self, side: _Side, ref: Any, group: int | None, keys: Any, queries: Any
+               ) -> Array:
+        """The block of one array (its `keys`/`queries` slice of the block, if given),
+        broadcastable to the tile: `(g|1, rows, 1)` or `(g|1, 1, cols)`, or without the
+        group axis for one `group`."""
+        part = (queries if side.query else keys) or slice(None)
+        if group is not None:
+            ref = ref.at[group if side.groups > 1 else 0]
+            return ref[part, 0:1] if side.rows else ref[0:1, part]
+        return ref[:, part, 0:1] if side.rows else ref[:, 0:1, part]
+
+    def _values(self, refs: Sequence[Any], group: int | None, keys: Any = None,
+                queries: Any = None) -> dict[str, Array]:
+        return {side.name: self._value(side, ref, group, keys, queries)
+                for side, ref in zip(self.sides, refs, strict=True)}
+
+    def bad_keys(self, refs: Sequence[Any], group: int | None = None, keys: Any = None,
+                 name: str = "bad_key") -> Array:
+        """The keys whose value row (`name="bad_tangent_key"`: value tangent row) is not
+        finite, broadcastable to the tile."""
+        return self._values(refs, group, keys)[name] != 0
+
+    def block_has_bad_keys(self, tables: Sequence[Any], bi: Array, hi: Array, kb: Array,
+                           heads: int | Array, num_k: int) -> Array:
+        """Whether key block `kb` of head `(bi, hi)` holds a non-finite value row."""
+        return self.table(tables, "bad_block")[(bi * heads + hi) * num_k + kb] != 0
+
+    def mask(self, cfg: KernelConfig, refs: Sequence[Any], tables: Sequence[Any], bi: Array,
+             q_start: Array, k_start: Array, tile: tuple[int, ...],
+             positional: bool | Array, group: int | None = None, keys: Any = None,
+             queries: Any = None) -> Array | None:
+        """Which pairs of the tile attend, broadcastable to `tile` — `(1, bq, bk)`, or
+        `(bk, bq)` for one query head `group` when `transposed` — (None: all); the tile
+        starts at `(q_start, k_start)` and reads the `keys`/`queries` slice of the
+        operands' blocks. `positional`: whether the causal/window/key-padding band
+        applies (a Python bool, or a traced one when data masks are evaluated anyway)."""
+        values = self._values(refs, group, keys, queries)
+        q_axis, k_axis = (len(tile) - 1, len(tile) - 2) if self.transposed else (
+            len(tile) - 2, len(tile) - 1)
+        # Positions as a column and a row that broadcast: a compare per pair, not an
+        # iota and an add per pair.
+        q_pos = q_start + jax.lax.broadcasted_iota(
+            jnp.int32, tuple(n if a == q_axis else 1 for a, n in enumerate(tile)), q_axis)
+        k_pos = k_start + jax.lax.broadcasted_iota(
+            jnp.int32, tuple(n if a == k_axis else 1 for a, n in enumerate(tile)), k_axis)
+        mask = None
+
+        def conj(a, b):
+            return b if a is None else a & b
+
+        if positional is not False:
+            if cfg.seq_k == cfg.padded_seq[1] and not cfg.band_window.is_unbounded:
+                # No key padding at all: the band alone (`positional_mask` without its
+                # vacuous `k_pos < seq_k`).
+                band = within_window(None, k_pos, q_pos + cfg.offset, cfg.band_window)
+            else:
+                band = positional_mask(q_pos, k_pos, cfg.offset, cfg.seq_k, cfg.band_window)
+            if positional is not True:
+                band = band | jnp.logical_not(positional)
+            mask = band
+        if "key_mask" in values:
+            mask = conj(mask, values["key_mask"] != 0)
+        if "q_segment_ids" in values:
+            mask = conj(mask, values["q_segment_ids"] == values["kv_segment_ids"])
+        if self.has_positions:
+            mask = conj(mask, within_window(None, values["kv_positions"],
+                                            values["q_positions"], cfg.window))
+        if self.has_lengths:
+            q_len = self.table(tables, "q_lengths")[bi]
+            kv_len = self.table(tables, "kv_lengths")[bi]
+            # (`masking.length_window`: positions place the window themselves.)
+            window = Window(None, None) if self.has_positions else cfg.window
+            mask = conj(mask, length_mask(q_pos, k_pos, q_len, kv_len, window))
+        if mask is not None:
+            mask = jnp.broadcast_to(mask, jnp.broadcast_shapes(mask.shape, tile[-2:]))
+        return mask
+
+
+def _spec(side: _Side, block_q: int, block_k: int, transposed: bool) -> pl.BlockSpec:
+    """Forward/dq grids step over key blocks (`plan[outer, step]`) for each query block;
+    the dk/dv grid the other way round."""
+    block = block_q if side.query else block_k
+    shape = (None, None, side.groups, block, LANES) if side.rows else (
+        None, None, side.groups, SUBLANES, block)
+    moves = side.query == transposed  # this side's block follows the plan's table
+
+    def index_map(bi, hi, outer, step, plan, *tables):
+        index = plan[outer, step] if moves else outer
+        lead = (bi if side.batch else 0, hi if side.heads else 0, 0)
+        return (*lead, index, 0) if side.rows else (*lead, 0, index)
+
+    return pl.BlockSpec(shape, index_map)
+
+
+def _layout(name: str, x: Array, query: bool, transposed: bool) -> tuple[_Side, Array]:
+    """A GRID array, `(b|1, h|1, g|1, seq_q, 1)` for a query-side one or `(b|1, h|1, g|1,
+    1, seq_k)` for a key-side one, in the layout of its side (module docstring)."""
+    rows = query != transposed
+    side = _Side(name, query, rows, x.shape[0] > 1, x.shape[1] > 1, x.shape[2])
+    seq = x.shape[3] if query else x.shape[4]
+    lead = x.shape[:3]
+    x = x.astype(jnp.int32).reshape(*lead, seq)
+    if rows:
+        return side, jnp.broadcast_to(x[..., None], (*lead, seq, LANES))
+    return side, jnp.broadcast_to(x[..., None, :], (*lead, SUBLANES, seq))
+
+
+def prepare(cfg: KernelConfig, ops: Operands, batch: int, v: Array | None,
+            transposed: bool = False, dv: Array | None = None) -> BlockOperands:
+    """The kernels' view of `ops` (padded, internal layout) for a batch of `batch`.
+    With values `v` (and value tangents `dv`), also which keys hold a non-finite value
+    (and tangent): wanted where some block is masked."""
+    parts: list[tuple[_Side, Array]] = []
+
+    def add(name: str, x: Array, query: bool) -> None:
+        parts.append(_layout(name, x, query, transposed))
+
+    if ops.key_mask is not None:
+        add("key_mask", ops.key_mask, False)
+    if ops.q_segment_ids is not None:
+        add("q_segment_ids", ops.q_segment_ids, True)
+        add("kv_segment_ids", ops.kv_segment_ids, False)
+    positions = ops.has_positions and not cfg.window.is_unbounded
+    if positions:
+        add("q_positions", ops.q_positions, True)
+        add("kv_positions", ops.kv_positions, False)
+    tables: dict[str, Array] = {}
+    if ops.has_lengths:
+        q_len = ops.q_lengths if ops.q_lengths is not None else jnp.full((1,), cfg.seq_q)
+        kv_len = ops.kv_lengths if ops.kv_lengths is not None else jnp.full((1,), cfg.seq_k)
+        for name, x in (("q_lengths", q_len), ("kv_lengths", kv_len)):
+            tables[name] = jnp.broadcast_to(x.reshape(-1).astype(jnp.int32), (batch,))
+    masks_data = bool(parts) or ops.has_lengths
+    if v is not None:
+        bad = jnp.logical_not(jnp.all(jnp.isfinite(v), axis=-1))  # (b, h, seq_k)
+        add("bad_key", bad[:, :, None, None, :], False)
+        if dv is not None:
+            bad_tangent = jnp.logical_not(jnp.all(jnp.isfinite(dv), axis=-1))
+            add("bad_tangent_key", bad_tangent[:, :, None, None, :], False)
+            bad = bad | bad_tangent
+        by_block = bad.reshape(*bad.shape[:2], -1, cfg.block_k).any(axis=-1)
+        tables["bad_block"] = by_block.reshape(-1).astype(jnp.int32)  # (b * h * num_k,)
+    return BlockOperands(
+        tuple(side for side, _ in parts), tuple(x for _, x in parts),
+        tuple(tables.values()), tuple(tables), transposed, ops.has_lengths, positions,
+        masks_data)

@@ -1,0 +1,323 @@
+"""The Pallas TPU backward: one fused kernel, or a dq kernel and a dk/dv kernel.
+
+Given the forward's lse and `delta = rowsum(dO * O) - d_lse` (`backward_statistics`, the
+family contract), each block pair's weights are `p = exp(s - lse)` and the logits'
+cotangent `ds = p * (dO v^T - delta)`. Key blocks are the outer loop and their query
+blocks the steps (the transposed plan); the logits are formed transposed, `(bk, bq)` per
+query head, so that `dv += p^T dO` and `dk += ds^T q` are plain products, dk and dv
+accumulating in VMEM. The fused kernel also adds `ds k` into a dq for the whole head
+held in VMEM, written once when the head is done: five products per block pair instead
+of seven (`Tuning.fused_backward`, where dq fits). Otherwise a separate dq kernel walks
+the forward's plan. At masked pairs `ds` is set to 0, so a value that is not finite
+there reaches no gradient of a query that does not attend it (as the XLA kernels).
+
+Reading order: `backward` -> `_dkv_call` (fused or not) / `_dq_call` -> their kernels.
+"""
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jaxtyping import Array
+
+from ..._core.config import KernelConfig, stat_dtype
+from ..._core.operands import Operands, differentiable_part
+from ._operands import SUBLANES, BlockOperands, prepare
+from ._plan import Plan, backward_plan, forward_plan
+from ._platform import on_tpu_or_interpreted
+from ._tile import DEFAULT_TUNING, LANES, NN, NT, TN, Tuning, Units, dot, lanes, logits, units
+from ._tile import prepared_queries as _prepared_queries
+
+# VMEM a fused backward may spend on the whole head's dq (its float32 accumulator and
+# the double-buffered output block); past it, the dq kernel runs instead.
+FUSED_DQ_BYTES = 40 * 2**20
+
+
+def backward(cfg: KernelConfig, q: Array, k: Array, v: Array, ops: Operands, lse: Array,
+             delta: Array, d_out: Array, wanted: Operands, tuning: Tuning = DEFAULT_TUNING
+             ) -> tuple[Array, Array, Array, Operands]:
+    """The family contract's backward (the XLA family's `backward`): cotangents of q, k,
+    v and of the differentiable operands (none are covered by this family: all None)."""
+    del wanted
+    stat = stat_dtype(q.dtype)
+    u = units(cfg, q.dtype, tuning)
+    fwd_plan, bwd_plan = forward_plan(cfg), backward_plan(cfg)
+    masked = fwd_plan.any_partial or ops.has_data_mask or ops.has_positions
+    b, h, g, seq_q, d = q.shape
+    q_in = _prepared_queries(q, u)
+    # lse in the kernel's units, so that `p = exp(s - lse)` needs no conversion per pair.
+    lse_u, delta = u.from_natural(lse.astype(stat)), delta.astype(stat)
+    dkv_ops = prepare(cfg, ops, b, v if masked else None, transposed=True)
+    dq_bytes = g * seq_q * d * (4 + 2 * q.dtype.itemsize)
+    fused = tuning.fused_backward and dq_bytes <= FUSED_DQ_BYTES
+    call = functools.partial(_dkv_call, cfg, bwd_plan, dkv_ops, u, tuning.backward_chunk(cfg),
+                             fused)
+    results = on_tpu_or_interpreted(call, q_in, k, v, d_out, lse_u, delta)
+    if fused:
+        d_q, d_k, d_v = results
+    else:
+        d_k, d_v = results
+        dq_ops = prepare(cfg, ops, b, v if masked else None)
+        d_q = on_tpu_or_interpreted(functools.partial(_dq_call, cfg, fwd_plan, dq_ops, u),
+                                    q_in, k, v, d_out, lse_u, delta)
+    none = jax.tree.map(lambda _: None, differentiable_part(ops))
+    return d_q, d_k, d_v, none
+
+
+def _params(semantics, blocks_bytes: int) -> pltpu.CompilerParams:
+    limit = int(min(max(2 * blocks_bytes, 32 * 2**20), 100 * 2**20))
+    return pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=limit)
+
+
+def _split(refs, operands: BlockOperands, inputs: int):
+    """`(tables, inputs, operand refs, the rest)` of a kernel's refs."""
+    n_tables, n_blocks = len(operands.scalar_tables), len(operands.block_arrays)
+    tables, refs = refs[:n_tables], refs[n_tables:]
+    return tables, refs[:inputs], refs[inputs:inputs + n_blocks], refs[inputs + n_blocks:]
+
+
+def _ds(p, dp, delta, t, mask):
+    """The logits' cotangent: softmax backward, through the cap, zero at masked pairs."""
+    ds = p * (dp - delta)
+    if t is not None:
+        ds = ds * (1.0 - t * t)
+    if mask is not None:
+        ds = jnp.where(mask, ds, 0.0)
+    return ds
+
+
+def _by_flag(flag, operands: BlockOperands, step) -> None:
+    """`step(positional)` on the steps with a block: 2 whole by position, 1 partial (see
+    `_plan`); with data masks, one variant that reads the flag."""
+    if operands.masks_data:
+        pl.when(flag != 0)(lambda: step(flag == 1))
+    else:
+        pl.when(flag == 2)(lambda: step(False))
+        pl.when(flag == 1)(lambda: step(True))
+
+
+# dk, dv (and dq, fused): per key block, its query blocks (the transposed plan).
+
+
+def _dkv_call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units,
+              chunk: int, fused: bool, q, k, v, d_out, lse, delta, *, interpret: bool):
+    b, h, g, seq_q, d = q.shape
+    dv = v.shape[-1]
+    bq, bk = cfg.block_q, cfg.block_k
+    num_k, steps = plan.kv_block.shape
+    stat = lse.dtype
+
+    def q_map(bi, hi, j, s, q_block, *tables):
+        return bi, hi, 0, q_block[j, s], 0
+
+    def row_map(bi, hi, j, s, q_block, *tables):
+        return bi, hi, 0, 0, q_block[j, s]
+
+    def kv_map(bi, hi, j, s, *tables):
+        return bi, hi, j, 0
+
+    def head_map(bi, hi, j, s, *tables):
+        return bi, hi, 0, 0, 0
+
+    rows = tuple(jnp.broadcast_to(x[..., None, :], (*x.shape[:-1], SUBLANES, x.shape[-1]))
+                 for x in (lse, delta))
+    in_specs = [
+        pl.BlockSpec((None, None, g, bq, d), q_map),
+        pl.BlockSpec((None, None, bk, d), kv_map),
+        pl.BlockSpec((None, None, bk, dv), kv_map),
+        pl.BlockSpec((None, None, g, bq, dv), q_map),
+        pl.BlockSpec((None, None, g, SUBLANES, bq), row_map),
+        pl.BlockSpec((None, None, g, SUBLANES, bq), row_map),
+        *operands.block_specs(bq, bk),
+    ]
+    out_specs = [pl.BlockSpec((None, None, bk, d), kv_map),
+                 pl.BlockSpec((None, None, bk, dv), kv_map)]
+    out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+    scratch = [pltpu.VMEM((bk, d), stat), pltpu.VMEM((bk, dv), stat)]
+    item = q.dtype.itemsize
+    blocks = 2 * item * (g * bq * (d + dv) + bk * (d + dv)) + 4 * (bk * (d + dv) + 4 * bk * chunk)
+    if fused:
+        out_specs.insert(0, pl.BlockSpec((None, None, g, seq_q, d), head_map))
+        out_shape.insert(0, jax.ShapeDtypeStruct(q.shape, q.dtype))
+        scratch.append(pltpu.VMEM((g, seq_q, d), stat))
+        blocks += g * seq_q * d * (4 + 2 * item)
+        # dq gathers over the key blocks: they run in order within a head.
+        semantics = ("parallel", "parallel", "arbitrary", "arbitrary")
+    else:
+        semantics = ("parallel", "parallel", "parallel", "arbitrary")
+    kernel = functools.partial(_dkv_kernel, cfg=cfg, operands=operands, u=u, chunk=chunk,
+                               steps=steps, fused=fused)
+    return pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2 + len(operands.scalar_tables),
+            grid=(b, h, num_k, steps),
+            in_specs=in_specs,
+            out_specs=out_specs,
+            scratch_shapes=scratch,
+        ),
+        out_shape=out_shape,
+        compiler_params=_params(semantics, blocks),
+        interpret=interpret,
+        name="eqx_flash_backward_fused" if fused else "eqx_flash_backward_dkv",
+    )(jnp.asarray(plan.kv_block), jnp.asarray(plan.flag), *operands.scalar_tables,
+      q, k, v, d_out, *rows, *operands.block_arrays)
+
+
+def _dkv_kernel(q_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: BlockOperands,
+                u: Units, chunk: int, steps: int, fused: bool):
+    tables, (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), operand_refs, rest = _split(
+        refs, operands, 6)
+    if fused:
+        dq_ref, dk_ref, dv_ref, dk_acc, dv_acc, dq_acc = rest
+    else:
+        dk_ref, dv_ref, dk_acc, dv_acc = rest
+        dq_ref: Any = None
+        dq_acc: Any = None
+    bi, j, s = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    num_k = pl.num_programs(2)
+    g, bq, _ = q_ref.shape
+    bk = k_ref.shape[0]
+    stat = dk_acc.dtype
+
+    if fused:
+        @pl.when((j == 0) & (s == 0))
+        def _init_dq():
+            dq_acc[...] = jnp.zeros(dq_acc.shape, stat)
+
+    @pl.when(s == 0)
+    def _init():
+        dk_acc[...] = jnp.zeros(dk_acc.shape, stat)
+        dv_acc[...] = jnp.zeros(dv_acc.shape, stat)
+
+    flag, qb = flag_ref[j, s], q_block_ref[j, s]
+
+    def step(positional):
+        k, v = k_ref[...], v_ref[...]
+        dk, dv = dk_acc[...], dv_acc[...]
+        for group in range(g):  # the query heads of this kv head, one product each
+            for c in range(bq // chunk):
+                queries = pl.ds(c * chunk, chunk)
+                q, do = q_ref[group, queries, :], do_ref[group, queries, :]
+                st, t = logits(cfg, u, k, q, stat)  # (bk, chunk)
+                mask = operands.mask(cfg, operand_refs, tables, bi, qb * bq + c * chunk,
+                                     j * bk, (bk, chunk), positional, group,
+                                     queries=queries)
+                if mask is not None:
+                    st = jnp.where(mask, st, -jnp.inf)
+                p = u.exp(st - lse_ref[group, 0:1, queries])
+                dv = dv + dot(p.astype(do.dtype), do, NN, stat)
+                dp = dot(v, do, NT, stat)
+                ds = _ds(p, dp, delta_ref[group, 0:1, queries], t, mask)
+                dk = dk + dot(ds.astype(q.dtype), q, NN, stat)
+                if fused:
+                    rows = pl.ds(qb * bq + c * chunk, chunk)
+                    dq_acc[group, rows, :] += dot(ds.astype(k.dtype), k, TN, stat)
+        dk_acc[...] = dk
+        dv_acc[...] = dv
+
+    _by_flag(flag, operands, step)
+
+    @pl.when(s == steps - 1)
+    def _finish():
+        # dk of the natural logits `scale * q.k`: the queries carry `u.fold` of it.
+        dk = dk_acc[...] * jnp.asarray(cfg.scale / u.fold, stat)
+        dk_ref[...] = dk.astype(dk_ref.dtype)
+        dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
+
+    if fused:
+        @pl.when((j == num_k - 1) & (s == steps - 1))
+        def _finish_dq():
+            dq = dq_acc[...] * jnp.asarray(cfg.scale, stat)
+            dq_ref[...] = dq.astype(dq_ref.dtype)
+
+
+# dq alone: per query block, its key blocks (the forward's plan).
+
+
+def _dq_call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units, q, k, v,
+             d_out, lse, delta, *, interpret: bool):
+    b, h, g, seq_q, d = q.shape
+    dv = v.shape[-1]
+    bq, bk = cfg.block_q, cfg.block_k
+    num_q, steps = plan.kv_block.shape
+    stat = lse.dtype
+
+    def q_map(bi, hi, i, s, *tables):
+        return bi, hi, 0, i, 0
+
+    def kv_map(bi, hi, i, s, kv_block, *tables):
+        return bi, hi, kv_block[i, s], 0
+
+    columns = tuple(jnp.broadcast_to(x[..., None], (*x.shape, LANES)) for x in (lse, delta))
+    in_specs = [
+        pl.BlockSpec((None, None, g, bq, d), q_map),
+        pl.BlockSpec((None, None, bk, d), kv_map),
+        pl.BlockSpec((None, None, bk, dv), kv_map),
+        pl.BlockSpec((None, None, g, bq, dv), q_map),
+        pl.BlockSpec((None, None, g, bq, LANES), q_map),
+        pl.BlockSpec((None, None, g, bq, LANES), q_map),
+        *operands.block_specs(bq, bk),
+    ]
+    item = q.dtype.itemsize
+    rows = g * bq
+    blocks = (2 * item * (rows * (d + dv) + bk * (d + dv) + rows * d)
+              + 4 * (rows * d + 4 * rows * bk + 4 * rows * LANES))
+    kernel = functools.partial(_dq_kernel, cfg=cfg, operands=operands, u=u, steps=steps)
+    return pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2 + len(operands.scalar_tables),
+            grid=(b, h, num_q, steps),
+            in_specs=in_specs,
+            out_specs=pl.BlockSpec((None, None, g, bq, d), q_map),
+            scratch_shapes=[pltpu.VMEM((rows, d), stat)],
+        ),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=_params(("parallel", "parallel", "parallel", "arbitrary"), blocks),
+        interpret=interpret,
+        name="eqx_flash_backward_dq",
+    )(jnp.asarray(plan.kv_block), jnp.asarray(plan.flag), *operands.scalar_tables,
+      q, k, v, d_out, *columns, *operands.block_arrays)
+
+
+def _dq_kernel(kv_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: BlockOperands,
+               u: Units, steps: int):
+    tables, (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), operand_refs, rest = _split(
+        refs, operands, 6)
+    dq_ref, acc_ref = rest
+    bi, i, s = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    g, bq, d = q_ref.shape
+    bk, dv = v_ref.shape
+    rows, stat = g * bq, acc_ref.dtype
+
+    @pl.when(s == 0)
+    def _init():
+        acc_ref[...] = jnp.zeros(acc_ref.shape, stat)
+
+    flag, kb = flag_ref[i, s], kv_block_ref[i, s]
+
+    def step(positional):
+        sc, t = logits(cfg, u, q_ref[...].reshape(rows, d), k_ref[...], stat)
+        mask = operands.mask(cfg, operand_refs, tables, bi, i * bq, kb * bk, (1, bq, bk),
+                             positional)
+        full_mask = None
+        if mask is not None:
+            full_mask = jnp.broadcast_to(mask, (g, bq, bk)).reshape(rows, bk)
+            sc = jnp.where(full_mask, sc, -jnp.inf)
+        p = u.exp(sc - lanes(lse_ref[...].reshape(rows, LANES), bk))
+        dp = dot(do_ref[...].reshape(rows, dv), v_ref[...], NT, stat)
+        delta = lanes(delta_ref[...].reshape(rows, LANES), bk)
+        ds = _ds(p, dp, delta, t, full_mask)
+        k = k_ref[...]
+        acc_ref[...] += dot(ds.astype(k.dtype), k, NN, stat)
+
+    _by_flag(flag, operands, step)
+
+    @pl.when(s == steps - 1)
+    def _finish():
+        dq = acc_ref[...] * jnp.asarray(cfg.scale, stat)
+        dq_ref[...] = dq.reshape(g, bq, d).astype(dq_ref.dtype)

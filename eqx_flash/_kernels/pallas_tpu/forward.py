@@ -1,0 +1,242 @@
+"""The Pallas TPU forward kernel: online softmax over a flat plan of block pairs.
+
+One kernel instance per `(batch, kv head, query block, step)`: the steps of a query
+block walk its non-empty key blocks from a prefetched table (`_plan.Plan`), so blocks
+that causal or a window empty cost neither a DMA nor a grid step beyond the table's
+width. The query heads of a kv head are folded into the rows of one tile (GQA without
+repeating k, v). The running max, sum and output accumulator live in VMEM scratch across
+a query block's steps; masks are computed from iota and the per-key/per-query operands
+(`_operands`) inside the kernel, only on the steps the plan marks partial. The finish
+follows `_semantics.softmax.finish` exactly: a row that attended nothing gets 0 and -inf.
+
+Reading order: `forward` (layout, tables, `pallas_call`) -> `_kernel` (one grid step) ->
+`_step` (one block pair) -> `_finish`.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jaxtyping import Array
+
+from ..._core.config import KernelConfig, stat_dtype
+from ..._core.operands import Operands
+from ._operands import BlockOperands, prepare
+from ._plan import Plan, forward_plan
+from ._platform import on_tpu_or_interpreted
+from ._tile import (
+    DEFAULT_TUNING,
+    LANES,
+    NN,
+    Tuning,
+    Units,
+    dot,
+    lanes,
+    logits,
+    prepared_queries,
+    units,
+)
+
+_FLOOR = float(jnp.finfo(jnp.float32).min)  # `softmax.start`'s running-max floor
+
+
+def forward(cfg: KernelConfig, q: Array, k: Array, v: Array, ops: Operands,
+            tuning: Tuning = DEFAULT_TUNING) -> tuple[Array, Array, Array]:
+    """`(out, lse, max_score)` as the XLA family's `forward`: q `(b, h, g, seq_q_pad, d)`,
+    k `(b, h, seq_k_pad, d)`, v `(b, h, seq_k_pad, dv)`, padded to whole blocks of
+    `cfg`; out in q's dtype, the statistics `(b, h, g, seq_q_pad)` float32."""
+    plan = forward_plan(cfg)
+    masked = plan.any_partial or ops.has_data_mask or ops.has_positions
+    operands = prepare(cfg, ops, q.shape[0], v if masked else None)
+    u = units(cfg, q.dtype, tuning)
+    call = functools.partial(_call, cfg, plan, operands, u, tuning.forward_chunk(cfg.block_k))
+    return on_tpu_or_interpreted(call, prepared_queries(q, u), k, v)
+
+
+def _call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units,
+          chunk: int, q: Array, k: Array, v: Array, *, interpret: bool
+          ) -> tuple[Array, Array, Array]:
+    b, h, g, seq_q, d = q.shape
+    seq_k, dv = k.shape[2], v.shape[-1]
+    bq, bk = cfg.block_q, cfg.block_k
+    num_q, steps = plan.kv_block.shape
+    stat = stat_dtype(q.dtype)
+    assert seq_q == num_q * bq and seq_k % bk == 0, (q.shape, k.shape, cfg)
+
+    def q_map(bi, hi, i, s, *tables):
+        return bi, hi, 0, i, 0
+
+    def kv_map(bi, hi, i, s, kv_block, *tables):
+        return bi, hi, kv_block[i, s], 0
+
+    in_specs = [
+        pl.BlockSpec((None, None, g, bq, d), q_map),
+        pl.BlockSpec((None, None, bk, d), kv_map),
+        pl.BlockSpec((None, None, bk, dv), kv_map),
+        *operands.block_specs(bq, bk),
+    ]
+    out_specs = [
+        pl.BlockSpec((None, None, g, bq, dv), q_map),
+        pl.BlockSpec((None, None, g, bq, LANES), q_map),  # lse, lane-replicated
+        pl.BlockSpec((None, None, g, bq, LANES), q_map),  # max score
+    ]
+    out_shape = [
+        jax.ShapeDtypeStruct((b, h, g, seq_q, dv), q.dtype),
+        jax.ShapeDtypeStruct((b, h, g, seq_q, LANES), stat),
+        jax.ShapeDtypeStruct((b, h, g, seq_q, LANES), stat),
+    ]
+    rows = g * bq
+    scratch = [pltpu.VMEM((rows, LANES), stat), pltpu.VMEM((rows, LANES), stat),
+               pltpu.VMEM((rows, dv), stat)]
+    kernel = functools.partial(_kernel, cfg=cfg, operands=operands, u=u, chunk=chunk,
+                               steps=steps)
+    out, lse, max_score = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2 + len(operands.scalar_tables),
+            grid=(b, h, num_q, steps),
+            in_specs=in_specs,
+            out_specs=out_specs,
+            scratch_shapes=scratch,
+        ),
+        out_shape=out_shape,
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
+            vmem_limit_bytes=_vmem_limit(rows, bk, d, dv, q.dtype),
+        ),
+        interpret=interpret,
+        name="eqx_flash_forward",
+    )(jnp.asarray(plan.kv_block), jnp.asarray(plan.flag), *operands.scalar_tables,
+      q, k, v, *operands.block_arrays)
+    return out, lse[..., 0], max_score[..., 0]
+
+
+def _vmem_limit(rows: int, bk: int, d: int, dv: int, dtype) -> int:
+    """Scoped VMEM for one step: double-buffered q, k, v and out blocks, the f32 logits
+    and weights, the scratch; with room to spare (the default scoped limit is smaller
+    than large blocks need)."""
+    item = jnp.dtype(dtype).itemsize
+    blocks = 2 * item * (rows * d + bk * d + bk * dv + rows * dv) + 2 * 4 * 2 * rows * LANES
+    temps = 4 * (3 * rows * bk + rows * (dv + 2 * LANES))
+    return int(min(max(2 * (blocks + temps), 32 * 2**20), 100 * 2**20))
+
+
+def _kernel(kv_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: BlockOperands,
+            u: Units, chunk: int, steps: int):
+    num_tables = len(operands.scalar_tables)
+    tables, refs = refs[:num_tables], refs[num_tables:]
+    q_ref, k_ref, v_ref = refs[:3]
+    num_blocks = len(operands.block_arrays)
+    operand_refs = refs[3:3 + num_blocks]
+    o_ref, lse_ref, max_ref, m_scr, l_scr, acc_scr = refs[3 + num_blocks:]
+    bi, hi, i, s = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
+
+    @pl.when(s == 0)
+    def _init():
+        m_scr[...] = jnp.full(m_scr.shape, _FLOOR, m_scr.dtype)
+        l_scr[...] = jnp.zeros(l_scr.shape, l_scr.dtype)
+        acc_scr[...] = jnp.zeros(acc_scr.shape, acc_scr.dtype)
+
+    flag = flag_ref[i, s]
+    kb = kv_block_ref[i, s]
+    step = functools.partial(
+        _step, cfg=cfg, operands=operands, u=u, chunk=chunk, q_ref=q_ref, k_ref=k_ref,
+        v_ref=v_ref, operand_refs=operand_refs, tables=tables, bi=bi, hi=hi, qb=i, kb=kb,
+        m_scr=m_scr, l_scr=l_scr, acc_scr=acc_scr)
+    # 2: the block is whole by position (its data masks, if any, still apply);
+    # 1: partial (needs the positional mask too); 0: no block at this step.
+    always_masked = operands.masks_data
+    if always_masked:
+        pl.when(flag != 0)(functools.partial(step, positional=None, flag=flag))
+    else:
+        pl.when(flag == 2)(functools.partial(step, positional=False, flag=flag))
+        pl.when(flag == 1)(functools.partial(step, positional=True, flag=flag))
+
+    @pl.when(s == steps - 1)
+    def _finish():
+        _write_finish(u, o_ref, lse_ref, max_ref, m_scr, l_scr, acc_scr)
+
+
+def _step(*, positional: bool | None, flag, cfg: KernelConfig, operands: BlockOperands,
+          u: Units, chunk: int, q_ref, k_ref, v_ref, operand_refs, tables, bi, hi, qb, kb,
+          m_scr, l_scr, acc_scr):
+    """Take key block `kb` into the running state of query block `qb`, `chunk` keys at
+    a time. `positional`: whether the causal/window/padding mask applies (None: decided
+    by `flag` at run time, when data masks apply anyway)."""
+    g, bq, d = q_ref.shape
+    bk = k_ref.shape[0]
+    rows = g * bq
+    stat = m_scr.dtype
+    band: bool | Array = flag == 1 if positional is None else positional
+    q = q_ref[...].reshape(rows, d)
+    bad_block = None
+    if operands.checks_values:
+        bad_block = operands.block_has_bad_keys(tables, bi, hi, kb, pl.num_programs(1),
+                                                cfg.padded_seq[1] // bk)
+    for c in range(bk // chunk):
+        keys = pl.ds(c * chunk, chunk)
+        s, _ = logits(cfg, u, q, k_ref[keys, :], stat)  # (rows, chunk)
+        mask = operands.mask(cfg, operand_refs, tables, bi, qb * bq, kb * bk + c * chunk,
+                             (1, bq, chunk), band, keys=keys)
+        if mask is not None:
+            s = jnp.where(mask, s.reshape(g, bq, chunk), -jnp.inf).reshape(rows, chunk)
+        m_prev, l_prev = m_scr[...], l_scr[...]
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=-1, keepdims=True))  # (rows, LANES)
+        p = u.exp(s - lanes(m_next, chunk))
+        alpha = u.exp(m_prev - m_next)
+        l_scr[...] = alpha * l_prev + jnp.sum(p, axis=-1, keepdims=True)
+        m_scr[...] = m_next
+        _accumulate(operands, operand_refs, acc_scr, p, alpha, v_ref, keys, mask,
+                    bad_block, g, bq)
+
+
+def _accumulate(operands, operand_refs, acc_scr, p, alpha, v_ref, keys, mask, bad_block,
+                g: int, bq: int) -> None:
+    """`acc = alpha * acc + p @ v`. A masked pair has weight 0, but 0 * NaN is NaN: in a
+    block holding a value row that is not finite (rare: a prefetched table says which),
+    such rows are zeroed for the product and the query rows that do attend one are
+    marked, as `_kernels.tile.attended_values` does."""
+    stat = acc_scr.dtype
+
+    def update(v, reaches=None):
+        acc = lanes(alpha, acc_scr.shape[-1]) * acc_scr[...] + dot(p.astype(v.dtype), v, NN,
+                                                                    stat)
+        if reaches is not None:
+            acc = jnp.where(reaches, jnp.asarray(jnp.nan, stat), acc)
+        acc_scr[...] = acc
+
+    if mask is None or bad_block is None:
+        update(v_ref[keys, :])
+        return
+
+    @pl.when(jnp.logical_not(bad_block))
+    def _finite():
+        update(v_ref[keys, :])
+
+    @pl.when(bad_block)
+    def _cleaned():
+        v = v_ref[keys, :]
+        v = jnp.where(jnp.isfinite(v.astype(jnp.float32)), v, jnp.zeros((), v.dtype))
+        bad = operands.bad_keys(operand_refs, keys=keys)
+        reaches = jnp.any(mask & bad, axis=-1, keepdims=True)
+        update(v, jnp.broadcast_to(reaches, (g, bq, 1)).reshape(g * bq, 1))
+
+
+def _write_finish(u: Units, o_ref, lse_ref, max_ref, m_scr, l_scr, acc_scr):
+    """`_semantics.softmax.finish` and `max_score` on the scratch, written out (the
+    statistics in natural units)."""
+    m, total, acc = m_scr[...], l_scr[...], acc_scr[...]
+    dv = acc.shape[-1]
+    attended = total != 0  # NaN compares unequal: a NaN row stays NaN
+    safe = jnp.where(attended, total, 1.0)
+    out = jnp.where(lanes(attended, dv), acc * lanes(1.0 / safe, dv), 0.0)
+    nonfinite = jnp.logical_not(jnp.all(jnp.isfinite(out), axis=-1, keepdims=True))
+    out = jnp.where(nonfinite, jnp.asarray(jnp.nan, out.dtype), out)
+    lse = jnp.where(attended, u.to_natural(m + u.log(safe)), -jnp.inf)
+    top = jnp.where(total == 0, -jnp.inf, u.to_natural(m))
+    g, bq = o_ref.shape[:2]
+    o_ref[...] = out.reshape(g, bq, dv).astype(o_ref.dtype)
+    lse_ref[...] = lse.reshape(g, bq, LANES).astype(lse_ref.dtype)
+    max_ref[...] = top.reshape(g, bq, LANES).astype(max_ref.dtype)

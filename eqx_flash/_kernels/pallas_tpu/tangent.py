@@ -1,0 +1,259 @@
+"""The Pallas TPU forward-and-tangent kernel: `jax.jvp` in one pass over the blocks.
+
+The forward's online softmax (`forward`) carries, besides `acc = sum P V`, the tangent's
+sums rescaled alike by the running max (the xla family's `tangent.forward_and_tangent`):
+with `dS = scale (dQ K^T + Q dK^T)` (through the soft cap's derivative, zero at masked
+pairs), `acc_t = sum (P dV + (P dS) V)` and `acc_ds = rowsum(P dS)`; at the end
+`d_lse = acc_ds / l` and `d_out = acc_t / l - d_lse * out`. Per block pair: `S`, `dS`
+(two products), `P V`, `P dV` and `(P dS) V`. A row that attends nothing gets zero
+tangents; a value or value tangent that is not finite reaches exactly the rows that
+attend it (a NaN tangent never makes `out` NaN).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jaxtyping import Array
+
+from ..._core.config import KernelConfig, stat_dtype
+from ..._core.operands import Operands
+from ._operands import BlockOperands, prepare
+from ._plan import Plan, forward_plan
+from ._platform import on_tpu_or_interpreted
+from ._tile import (
+    DEFAULT_TUNING,
+    LANES,
+    NN,
+    NT,
+    Tuning,
+    Units,
+    dot,
+    lanes,
+    logits,
+    prepared_queries,
+    units,
+)
+from .forward import _FLOOR, _vmem_limit, _write_finish
+
+
+def forward_and_tangent(cfg: KernelConfig, q: Array, k: Array, v: Array, ops: Operands,
+                        dq: Array | None, dk: Array | None, dv: Array | None,
+                        d_ops: Operands, tuning: Tuning = DEFAULT_TUNING
+                        ) -> tuple[Array, Array, Array, Array, Array]:
+    """The family contract's `forward_and_tangent`: `(out, lse, max_score, d_out,
+    d_lse)` for tangents `dq`, `dk`, `dv` (None: zero). The family covers no
+    differentiable operand, so `d_ops` holds nothing."""
+    del d_ops
+    plan = forward_plan(cfg)
+    masked = plan.any_partial or ops.has_data_mask or ops.has_positions
+    operands = prepare(cfg, ops, q.shape[0], v if masked else None,
+                       dv=dv if masked else None)
+    u = units(cfg, q.dtype, tuning)
+    has = (dq is not None, dk is not None, dv is not None)
+    arrays = [prepared_queries(q, u), k, v] + [x for x in (dq, dk, dv) if x is not None]
+    call = functools.partial(_call, cfg, plan, operands, u,
+                             tuning.forward_chunk(cfg.block_k), has)
+    return on_tpu_or_interpreted(call, *arrays)
+
+
+def _call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units, chunk: int,
+          has: tuple[bool, bool, bool], q, k, v, *tangents, interpret: bool):
+    b, h, g, seq_q, d = q.shape
+    dv_dim = v.shape[-1]
+    bq, bk = cfg.block_q, cfg.block_k
+    num_q, steps = plan.kv_block.shape
+    stat = stat_dtype(q.dtype)
+
+    def q_map(bi, hi, i, s, *tables):
+        return bi, hi, 0, i, 0
+
+    def kv_map(bi, hi, i, s, kv_block, *tables):
+        return bi, hi, kv_block[i, s], 0
+
+    tangent_specs = [spec for spec, present in zip(
+        (pl.BlockSpec((None, None, g, bq, d), q_map), pl.BlockSpec((None, None, bk, d), kv_map),
+         pl.BlockSpec((None, None, bk, dv_dim), kv_map)), has, strict=True) if present]
+    in_specs = [
+        pl.BlockSpec((None, None, g, bq, d), q_map),
+        pl.BlockSpec((None, None, bk, d), kv_map),
+        pl.BlockSpec((None, None, bk, dv_dim), kv_map),
+        *tangent_specs,
+        *operands.block_specs(bq, bk),
+    ]
+    rows = g * bq
+    out_specs = [pl.BlockSpec((None, None, g, bq, dv_dim), q_map),
+                 pl.BlockSpec((None, None, g, bq, LANES), q_map),
+                 pl.BlockSpec((None, None, g, bq, LANES), q_map),
+                 pl.BlockSpec((None, None, g, bq, dv_dim), q_map),
+                 pl.BlockSpec((None, None, g, bq, LANES), q_map)]
+    out_shape = [jax.ShapeDtypeStruct((b, h, g, seq_q, dv_dim), q.dtype),
+                 jax.ShapeDtypeStruct((b, h, g, seq_q, LANES), stat),
+                 jax.ShapeDtypeStruct((b, h, g, seq_q, LANES), stat),
+                 jax.ShapeDtypeStruct((b, h, g, seq_q, dv_dim), q.dtype),
+                 jax.ShapeDtypeStruct((b, h, g, seq_q, LANES), stat)]
+    scratch = [pltpu.VMEM((rows, LANES), stat), pltpu.VMEM((rows, LANES), stat),
+               pltpu.VMEM((rows, dv_dim), stat), pltpu.VMEM((rows, dv_dim), stat),
+               pltpu.VMEM((rows, LANES), stat)]
+    kernel = functools.partial(_kernel, cfg=cfg, operands=operands, u=u, chunk=chunk,
+                               steps=steps, has=has)
+    out, lse, max_score, d_out, d_lse = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2 + len(operands.scalar_tables),
+            grid=(b, h, num_q, steps),
+            in_specs=in_specs,
+            out_specs=out_specs,
+            scratch_shapes=scratch,
+        ),
+        out_shape=out_shape,
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
+            vmem_limit_bytes=_vmem_limit(2 * rows, 2 * bk, d, 2 * dv_dim, q.dtype),
+        ),
+        interpret=interpret,
+        name="eqx_flash_forward_and_tangent",
+    )(jnp.asarray(plan.kv_block), jnp.asarray(plan.flag), *operands.scalar_tables,
+      q, k, v, *tangents, *operands.block_arrays)
+    return out, lse[..., 0], max_score[..., 0], d_out, d_lse[..., 0]
+
+
+def _kernel(kv_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: BlockOperands,
+            u: Units, chunk: int, steps: int, has: tuple[bool, bool, bool]):
+    n_tables, n_blocks = len(operands.scalar_tables), len(operands.block_arrays)
+    tables, refs = refs[:n_tables], refs[n_tables:]
+    q_ref, k_ref, v_ref = refs[:3]
+    it = iter(refs[3:3 + sum(has)])
+    dq_ref, dk_ref, dv_ref = (next(it) if present else None for present in has)
+    operand_refs = refs[3 + sum(has):3 + sum(has) + n_blocks]
+    (o_ref, lse_ref, max_ref, do_ref, dlse_ref,
+     m_scr, l_scr, acc_scr, acc_t_scr, acc_ds_scr) = refs[3 + sum(has) + n_blocks:]
+    bi, hi, i, s = (pl.program_id(n) for n in range(4))
+    g, bq, d = q_ref.shape
+    bk = k_ref.shape[0]
+    rows, stat = g * bq, m_scr.dtype
+
+    @pl.when(s == 0)
+    def _init():
+        m_scr[...] = jnp.full(m_scr.shape, _FLOOR, stat)
+        for ref in (l_scr, acc_scr, acc_t_scr, acc_ds_scr):
+            ref[...] = jnp.zeros(ref.shape, stat)
+
+    flag, kb = flag_ref[i, s], kv_block_ref[i, s]
+
+    def step(positional):
+        q = q_ref[...].reshape(rows, d)
+        dq = None if dq_ref is None else dq_ref[...].reshape(rows, d)
+        bad_block = None
+        if operands.checks_values:
+            bad_block = operands.block_has_bad_keys(tables, bi, hi, kb, pl.num_programs(1),
+                                                    cfg.padded_seq[1] // bk)
+        for c in range(bk // chunk):
+            keys = pl.ds(c * chunk, chunk)
+            k = k_ref[keys, :]
+            sc, t = logits(cfg, u, q, k, stat)
+            # dS in natural units: the queries carry `u.fold` of the scale.
+            ds = None
+            if dq is not None:
+                ds = dot(dq, k, NT, stat) * jnp.asarray(cfg.scale, stat)
+            if dk_ref is not None:
+                term = dot(q, dk_ref[keys, :], NT, stat) * jnp.asarray(cfg.scale / u.fold, stat)
+                ds = term if ds is None else ds + term
+            if ds is not None and t is not None:
+                ds = ds * (1.0 - t * t)
+            mask = operands.mask(cfg, operand_refs, tables, bi, i * bq, kb * bk + c * chunk,
+                                 (1, bq, chunk), positional, keys=keys)
+            if mask is not None:
+                full = jnp.broadcast_to(mask, (g, bq, chunk)).reshape(rows, chunk)
+                sc = jnp.where(full, sc, -jnp.inf)
+                if ds is not None:
+                    ds = jnp.where(full, ds, 0.0)
+            m_prev = m_scr[...]
+            m_next = jnp.maximum(m_prev, jnp.max(sc, axis=-1, keepdims=True))
+            p = u.exp(sc - lanes(m_next, chunk))
+            alpha = u.exp(m_prev - m_next)
+            l_scr[...] = alpha * l_scr[...] + jnp.sum(p, axis=-1, keepdims=True)
+            m_scr[...] = m_next
+            p_ds = None if ds is None else p * ds
+            if p_ds is not None:
+                acc_ds_scr[...] = alpha * acc_ds_scr[...] + jnp.sum(p_ds, axis=-1,
+                                                                    keepdims=True)
+            else:
+                acc_ds_scr[...] = alpha * acc_ds_scr[...]
+            _accumulate(operands, operand_refs, acc_scr, acc_t_scr, p, p_ds, alpha, v_ref,
+                        dv_ref, keys, mask, bad_block, g, bq)
+
+    if operands.masks_data:
+        pl.when(flag != 0)(lambda: step(flag == 1))
+    else:
+        pl.when(flag == 2)(lambda: step(False))
+        pl.when(flag == 1)(lambda: step(True))
+
+    @pl.when(s == steps - 1)
+    def _finish():
+        _write_finish(u, o_ref, lse_ref, max_ref, m_scr, l_scr, acc_scr)
+        total = l_scr[...]
+        attended = total != 0
+        safe = jnp.where(attended, total, 1.0)
+        d_lse = jnp.where(attended, acc_ds_scr[...] / safe, 0.0)
+        dv_dim = acc_scr.shape[-1]
+        out = o_ref[...].reshape(rows, dv_dim).astype(stat)
+        d_out = acc_t_scr[...] * lanes(1.0 / safe, dv_dim) - lanes(d_lse, dv_dim) * out
+        d_out = jnp.where(lanes(attended, dv_dim), d_out, 0.0)
+        do_ref[...] = d_out.reshape(g, bq, dv_dim).astype(do_ref.dtype)
+        dlse_ref[...] = d_lse.reshape(g, bq, LANES).astype(dlse_ref.dtype)
+
+
+def _accumulate(operands: BlockOperands, operand_refs, acc_scr, acc_t_scr, p, p_ds, alpha,
+                v_ref, dv_ref, keys, mask, bad_block, g: int, bq: int) -> None:
+    """`acc = alpha acc + P V`, `acc_t = alpha acc_t + P dV + (P dS) V`; in a block
+    holding a non-finite value or value tangent (a prefetched table says which), those
+    rows are zeroed for the products and the query rows that attend one marked: `acc`
+    where the value is not finite, `acc_t` where either is not."""
+    stat = acc_scr.dtype
+    dv_dim = acc_scr.shape[-1]
+
+    def update(v, d_v, reach_v=None, reach_any=None):
+        pv = dot(p.astype(v.dtype), v, NN, stat)
+        acc = lanes(alpha, dv_dim) * acc_scr[...] + pv
+        acc_t = lanes(alpha, dv_dim) * acc_t_scr[...]
+        if d_v is not None:
+            acc_t = acc_t + dot(p.astype(d_v.dtype), d_v, NN, stat)
+        if p_ds is not None:
+            acc_t = acc_t + dot(p_ds.astype(v.dtype), v, NN, stat)
+        if reach_v is not None:
+            assert reach_any is not None
+            acc = jnp.where(reach_v, jnp.asarray(jnp.nan, stat), acc)
+            acc_t = jnp.where(reach_any, jnp.asarray(jnp.nan, stat), acc_t)
+        acc_scr[...] = acc
+        acc_t_scr[...] = acc_t
+
+    def load():
+        return v_ref[keys, :], None if dv_ref is None else dv_ref[keys, :]
+
+    if mask is None or bad_block is None:
+        update(*load())
+        return
+
+    @pl.when(jnp.logical_not(bad_block))
+    def _finite():
+        update(*load())
+
+    @pl.when(bad_block)
+    def _cleaned():
+        v, d_v = load()
+        v = jnp.where(jnp.isfinite(v.astype(jnp.float32)), v, jnp.zeros((), v.dtype))
+        bad_any = bad_v = operands.bad_keys(operand_refs, keys=keys)  # (1, 1, chunk)
+        if d_v is not None:
+            d_v = jnp.where(jnp.isfinite(d_v.astype(jnp.float32)), d_v,
+                            jnp.zeros((), d_v.dtype))
+            bad_any = bad_v | operands.bad_keys(operand_refs, keys=keys,
+                                                name="bad_tangent_key")
+
+        def reaching(bad):
+            reach = jnp.any(mask & bad, axis=-1, keepdims=True)  # (g|1, bq, 1)
+            return jnp.broadcast_to(reach, (g, bq, 1)).reshape(g * bq, 1)
+
+        update(v, d_v, reaching(bad_v), reaching(bad_any))

@@ -1,0 +1,182 @@
+"""The Pallas TPU family: the same answers as the reference, on any host.
+
+Off a TPU, `kernels="pallas_tpu"` runs the very kernels a TPU compiles, in Pallas'
+interpreter (slow: small shapes here); `jax.export(..., platforms=("tpu",))` then proves
+that they lower to Mosaic kernels for the supported head dims and the default blocks.
+What the family does not cover raises with an explicit request and falls back with
+`kernels=None`; `eqx_flash.kernel_family` says which family a call gets and why.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_close, assert_lse_close, qkv
+
+import eqx_flash
+from eqx_flash import flash_attention, plain_attention
+
+# Compiled on a TPU, interpreted elsewhere: part of the accelerator set too.
+pytestmark = pytest.mark.accelerator
+
+PALLAS = dict(kernels="pallas_tpu")
+BLOCKS = dict(block_q=64, block_k=128)
+
+
+def _loss(attention, q, k, v, **kwargs):
+    out, lse = attention(q, k, v, **kwargs)
+    w = jnp.cos(jnp.arange(out.size, dtype=jnp.float32)).reshape(out.shape)
+    finite = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    return jnp.sum(out.astype(jnp.float32) * w) + 0.3 * jnp.sum(finite)
+
+
+def _compare(q, k, v, dtype=jnp.float32, grads=True, **kwargs):
+    """Values, lse and gradients of q, k, v against `plain_attention`."""
+    pallas = functools.partial(flash_attention, **PALLAS, **BLOCKS)
+    out, lse = jax.jit(lambda q, k, v: pallas(q, k, v, **kwargs))(q, k, v)
+    ref_out, ref_lse = plain_attention(q, k, v, **kwargs)
+    assert_close(out, ref_out, dtype, name="out")
+    assert_lse_close(lse, ref_lse, dtype)
+    if not grads:
+        return
+    grad = functools.partial(jax.grad, argnums=(0, 1, 2))
+    got = jax.jit(grad(lambda q, k, v: _loss(pallas, q, k, v, **kwargs)))(q, k, v)
+    want = grad(lambda q, k, v: _loss(plain_attention, q, k, v, **kwargs))(q, k, v)
+    for name, a, b in zip("qkv", got, want, strict=True):
+        assert_close(a, b, dtype, kind="grad", name=f"d{name}")
+
+
+CASES = {
+    "full": dict(),
+    "causal": dict(causal=True),
+    "window": dict(window=(50, 10)),
+    "causal softcap": dict(causal=True, softcap=2.0),
+    "sinks": dict(causal=True, sinks=jnp.linspace(-1.0, 1.0, 4)),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_options_against_reference(name):
+    """GQA (4 query heads on 2 kv heads), lengths that are not block multiples."""
+    q, k, v = qkv(0, (2, 4, 200, 32), (2, 2, 300, 32))
+    _compare(q, k, v, **CASES[name])
+
+
+def test_masks_against_reference():
+    q, k, v = qkv(1, (2, 2, 160, 32), (2, 2, 256, 32))
+    key = jax.random.key(2)
+    mask = jax.random.bernoulli(key, 0.7, (2, 256))
+    ids_q = jnp.sort(jax.random.randint(key, (2, 160), 0, 3), axis=-1)
+    ids_k = jnp.sort(jax.random.randint(jax.random.fold_in(key, 1), (2, 256), 0, 3), axis=-1)
+    _compare(q, k, v, mask=mask, causal=True)
+    _compare(q, k, v, q_segment_ids=ids_q, kv_segment_ids=ids_k, causal=True)
+    _compare(q, k, v, q_lengths=jnp.array([160, 40]), kv_lengths=jnp.array([256, 10]),
+             causal=True)
+    pos_q = jnp.tile(jnp.arange(160)[None] + 96, (2, 1))
+    pos_k = jnp.tile(jnp.arange(256)[None], (2, 1))
+    _compare(q, k, v, q_positions=pos_q, kv_positions=pos_k, window=(40, 0))
+
+
+def test_empty_rows_and_nonfinite_values():
+    """Rows that attend nothing give 0, -inf and zero gradients; a NaN value reaches
+    exactly the rows that attend it (causal: the later ones), in values and gradients."""
+    q, k, v = qkv(3, (1, 2, 128, 32), (1, 2, 256, 32))
+    lengths = dict(q_lengths=jnp.array([128]), kv_lengths=jnp.array([0]))
+    out, lse = flash_attention(q, k, v, **lengths, **PALLAS, **BLOCKS)
+    assert jnp.all(out == 0) and jnp.all(lse == -jnp.inf)
+    g = jax.grad(lambda q: _loss(functools.partial(flash_attention, **PALLAS, **BLOCKS),
+                                 q, k, v, **lengths))(q)
+    assert jnp.all(g == 0)
+    v = v.at[0, 1, 200, 3].set(jnp.nan)
+    out, _ = flash_attention(q, k, v, causal=True, **PALLAS, **BLOCKS)
+    ref, _ = plain_attention(q, k, v, causal=True)
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+    grads = jax.grad(lambda v: _loss(functools.partial(flash_attention, **PALLAS, **BLOCKS),
+                                     q, k, v, causal=True))(v)
+    want = jax.grad(lambda v: _loss(plain_attention, q, k, v, causal=True))(v)
+    np.testing.assert_array_equal(np.isnan(grads), np.isnan(want))
+
+
+def test_bfloat16_in_its_own_dtype():
+    q, k, v = qkv(4, (1, 2, 128, 64), (1, 2, 256, 64), dtype=jnp.bfloat16)
+    _compare(q, k, v, dtype=jnp.bfloat16, causal=True)
+
+
+def test_transforms_and_second_order():
+    """vmap (with per-example lengths), jvp and an HVP: forward mode and second order run
+    the xla family's kernels on the Pallas forward's results."""
+    q, k, v = qkv(5, (3, 2, 128, 32), (3, 2, 128, 32))
+    lengths = jnp.array([128, 70, 5])
+    flash = functools.partial(flash_attention, causal=True, **PALLAS, **BLOCKS)
+    got = jax.vmap(lambda q, k, v, n: flash(q, k, v, kv_lengths=n)[0])(q, k, v, lengths)
+    want = jax.vmap(lambda q, k, v, n: plain_attention(q, k, v, causal=True,
+                                                       kv_lengths=n)[0])(q, k, v, lengths)
+    assert_close(got, want, name="vmap")
+
+    def hvp(attention):
+        def loss(q):
+            return jnp.sum(jnp.sin(attention(q, k, v, causal=True)[0]))
+        return jax.jvp(jax.grad(loss), (q,), (jnp.cos(q),))[1]
+
+    pallas = functools.partial(flash_attention, **PALLAS, **BLOCKS)
+    assert_close(hvp(pallas), hvp(plain_attention), kind="grad", scale=4.0, name="hvp")
+    tangent = jax.jvp(lambda q: pallas(q, k, v, causal=True)[0], (q,), (v,))[1]
+    ref = jax.jvp(lambda q: plain_attention(q, k, v, causal=True)[0], (q,), (v,))[1]
+    assert_close(tangent, ref, kind="grad", name="jvp")
+
+
+def test_uncovered_options_raise_when_asked_and_fall_back_by_default():
+    q, k, v = qkv(6, (2, 64, 16), (2, 64, 16))
+    bias = jnp.zeros((2, 64, 64))
+    with pytest.raises(NotImplementedError, match="bias"):
+        flash_attention(q, k, v, bias=bias, **PALLAS)
+    with pytest.raises(ValueError, match="kernels"):
+        flash_attention(q, k, v, kernels="cuda")
+    out, _ = flash_attention(q, k, v, bias=bias)  # None: the xla family, silently
+    assert_close(out, plain_attention(q, k, v, bias=bias)[0])
+    family, reason = eqx_flash.kernel_family(q, k, v, bias=bias, kernels="pallas_tpu")
+    assert family is None and "bias" in reason
+    family, reason = eqx_flash.kernel_family(q, k, v)
+    expected = "pallas_tpu" if jax.default_backend() == "tpu" else "xla"
+    assert family == expected and reason
+
+
+def test_every_entry_point_takes_kernels():
+    """The modules (a static field), the jax.nn and FlashAttention-2 front ends and the
+    sharded entry point pass `kernels=` on; an option check names it everywhere."""
+    x = jax.random.normal(jax.random.key(7), (128, 32))
+    layers = [eqx_flash.FlashMultiheadAttention(2, 32, causal=True, kernels=family,
+                                                block_q=64, block_k=128, key=jax.random.key(8))
+              for family in ("pallas_tpu", "xla")]
+    assert_close(layers[0](x, x, x), layers[1](x, x, x), name="module")
+    q = jax.random.normal(jax.random.key(9), (1, 128, 2, 32))  # jax.nn's layout
+    got = eqx_flash.dot_product_attention(q, q, q, is_causal=True, kernels="pallas_tpu")
+    assert_close(got, jax.nn.dot_product_attention(q, q, q, is_causal=True), name="jax.nn")
+    got = eqx_flash.flash_attn_func(q, q, q, causal=True, kernels="pallas_tpu")
+    assert_close(got, eqx_flash.flash_attn_func(q, q, q, causal=True), name="flash_attn")
+    for bad, error in (("cuda", ValueError), (1, TypeError)):
+        with pytest.raises(error, match="kernels"):
+            eqx_flash.FlashAttention(kernels=bad)
+        with pytest.raises(error, match="kernels"):
+            eqx_flash.dot_product_attention(q, q, q, kernels=bad)
+
+
+@pytest.mark.parametrize("dim", [64, 128, 256])
+def test_lowers_to_mosaic_kernels(dim):
+    """On any host, exporting for a TPU yields Mosaic kernels: the forward's, and the
+    backward's (fused) — at the default blocks, causal and not, bf16."""
+    q = jax.ShapeDtypeStruct((1, 4, 2048, dim), jnp.bfloat16)
+
+    def loss(q, k, v, causal):
+        out, lse = flash_attention(q, k, v, causal=causal, **PALLAS)
+        return jnp.sum(out.astype(jnp.float32)) + jnp.sum(lse)
+
+    for causal in (False, True):
+        fwd = jax.jit(lambda q, k, v, c=causal: flash_attention(q, k, v, causal=c, **PALLAS))
+        grad = jax.jit(jax.grad(functools.partial(loss, causal=causal), argnums=(0, 1, 2)))
+        for fn, kernels in ((fwd, 1), (grad, 2)):
+            exported = jax.export.export(fn, platforms=("tpu",))(q, q, q)
+            text = exported.mlir_module()
+            assert text.count("tpu_custom_call") == kernels, (dim, causal, kernels)
