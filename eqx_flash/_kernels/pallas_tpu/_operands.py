@@ -5,8 +5,10 @@ along the sublanes (the tile's rows) and the other's along the lanes (its column
 forward and the dq kernel have queries as rows, `(g, bq, bk)`; the dk/dv kernel has keys
 as rows, `(bk, bq)` per query head (`transposed`). An array of the row side is laid out
 `(..., seq, 128)` (each position's value repeated along the lanes) and slices to a column
-`(.., rows, 1)`; one of the column side `(..., 8, seq)` (repeated along the sublanes),
-slicing to a row `(.., 1, cols)` — as splash attention lays out segment ids. Lengths
+`(.., rows, 1)`; one of the column side `(..., seq / block, 8, block)` (repeated along the
+sublanes; `lane_blocks`), slicing to a row `(.., 1, cols)` — as splash attention lays out
+segment ids, but cut into whole blocks, so that a block narrower than 128 lanes (the
+query blocks of the dk/dv kernel) is still a whole array's last dimension. Lengths
 are scalars in SMEM, as is which key blocks hold a value that is not finite.
 
 The predicates are `_semantics.masking`'s own, evaluated on these block values, so the
@@ -154,20 +156,32 @@ def _spec(side: _Side, block_q: int, block_k: int, transposed: bool) -> pl.Block
     the dk/dv grid the other way round."""
     block = block_q if side.query else block_k
     shape = (None, None, side.groups, block, LANES) if side.rows else (
-        None, None, side.groups, SUBLANES, block)
+        None, None, side.groups, None, SUBLANES, block)
     moves = side.query == transposed  # this side's block follows the plan's table
 
     def index_map(bi, hi, outer, step, plan, *tables):
         index = plan[outer, step] if moves else outer
         lead = (bi if side.batch else 0, hi if side.heads else 0, 0)
-        return (*lead, index, 0) if side.rows else (*lead, 0, index)
+        return (*lead, index, 0) if side.rows else (*lead, index, 0, 0)
 
     return pl.BlockSpec(shape, index_map)
 
 
-def _layout(name: str, x: Array, query: bool, transposed: bool) -> tuple[_Side, Array]:
+def lane_blocks(x: Array, block: int) -> Array:
+    """`(..., seq)` as `(..., seq / block, 8, block)`: each block of positions along the
+    lanes, repeated along the sublanes. A BlockSpec `(..., None, 8, block)` then reads
+    whole trailing dimensions, which Mosaic takes at any `block` (a block of a longer
+    lane axis must be a multiple of 128)."""
+    *lead, seq = x.shape
+    x = x.reshape(*lead, seq // block, 1, block)
+    return jnp.broadcast_to(x, (*lead, seq // block, SUBLANES, block))
+
+
+def _layout(name: str, x: Array, query: bool, transposed: bool, block: int
+            ) -> tuple[_Side, Array]:
     """A GRID array, `(b|1, h|1, g|1, seq_q, 1)` for a query-side one or `(b|1, h|1, g|1,
-    1, seq_k)` for a key-side one, in the layout of its side (module docstring)."""
+    1, seq_k)` for a key-side one, in the layout of its side (module docstring); `block`:
+    its side's block size."""
     rows = query != transposed
     side = _Side(name, query, rows, x.shape[0] > 1, x.shape[1] > 1, x.shape[2])
     seq = x.shape[3] if query else x.shape[4]
@@ -175,7 +189,7 @@ def _layout(name: str, x: Array, query: bool, transposed: bool) -> tuple[_Side, 
     x = x.astype(jnp.int32).reshape(*lead, seq)
     if rows:
         return side, jnp.broadcast_to(x[..., None], (*lead, seq, LANES))
-    return side, jnp.broadcast_to(x[..., None, :], (*lead, SUBLANES, seq))
+    return side, lane_blocks(x, block)
 
 
 def prepare(cfg: KernelConfig, ops: Operands, batch: int, v: Array | None,
@@ -186,7 +200,7 @@ def prepare(cfg: KernelConfig, ops: Operands, batch: int, v: Array | None,
     parts: list[tuple[_Side, Array]] = []
 
     def add(name: str, x: Array, query: bool) -> None:
-        parts.append(_layout(name, x, query, transposed))
+        parts.append(_layout(name, x, query, transposed, cfg.block_q if query else cfg.block_k))
 
     if ops.key_mask is not None:
         add("key_mask", ops.key_mask, False)

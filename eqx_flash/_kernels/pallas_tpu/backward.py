@@ -25,7 +25,7 @@ from jaxtyping import Array
 
 from ..._core.config import KernelConfig, stat_dtype
 from ..._core.operands import Operands, differentiable_part
-from ._operands import SUBLANES, BlockOperands, prepare
+from ._operands import SUBLANES, BlockOperands, lane_blocks, prepare
 from ._plan import Plan, backward_plan, forward_plan
 from ._platform import on_tpu_or_interpreted
 from ._tile import DEFAULT_TUNING, LANES, NN, NT, TN, Tuning, Units, dot, lanes, logits, units
@@ -114,7 +114,7 @@ def _dkv_call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units,
         return bi, hi, 0, q_block[j, s], 0
 
     def row_map(bi, hi, j, s, q_block, *tables):
-        return bi, hi, 0, 0, q_block[j, s]
+        return bi, hi, 0, q_block[j, s], 0, 0
 
     def kv_map(bi, hi, j, s, *tables):
         return bi, hi, j, 0
@@ -122,15 +122,14 @@ def _dkv_call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units,
     def head_map(bi, hi, j, s, *tables):
         return bi, hi, 0, 0, 0
 
-    rows = tuple(jnp.broadcast_to(x[..., None, :], (*x.shape[:-1], SUBLANES, x.shape[-1]))
-                 for x in (lse, delta))
+    rows = tuple(lane_blocks(x, bq) for x in (lse, delta))  # queries along the lanes
     in_specs = [
         pl.BlockSpec((None, None, g, bq, d), q_map),
         pl.BlockSpec((None, None, bk, d), kv_map),
         pl.BlockSpec((None, None, bk, dv), kv_map),
         pl.BlockSpec((None, None, g, bq, dv), q_map),
-        pl.BlockSpec((None, None, g, SUBLANES, bq), row_map),
-        pl.BlockSpec((None, None, g, SUBLANES, bq), row_map),
+        pl.BlockSpec((None, None, g, None, SUBLANES, bq), row_map),
+        pl.BlockSpec((None, None, g, None, SUBLANES, bq), row_map),
         *operands.block_specs(bq, bk),
     ]
     out_specs = [pl.BlockSpec((None, None, bk, d), kv_map),

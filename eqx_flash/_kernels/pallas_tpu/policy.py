@@ -28,7 +28,7 @@ def blocks(call: Call, cfg: KernelConfig) -> tuple[int, int]:
     options, shapes = call.options, call.shapes
     banded = not options.window.is_unbounded
     rows, block_k = (BANDED_ROWS, BANDED_BLOCK_K) if banded else (ROWS, BLOCK_K)
-    block_q = max(rows // shapes.groups, MIN_BLOCK_Q)
+    block_q = _up(max(rows // shapes.groups, MIN_BLOCK_Q), ROW_TILE)
     if options.block_q is not None:
         block_q = _up(options.block_q, ROW_TILE)
     if options.block_k is not None:
