@@ -210,3 +210,48 @@ def test_the_shapes_tested_here_lower_to_mosaic_kernels(blocks):
         for fn in (grad, jvp):
             exported = jax.export.export(jax.jit(fn), platforms=("tpu",))(q, kv, kv)
             assert "tpu_custom_call" in exported.mlir_module(), (name, fn.__name__)
+
+
+def test_inside_a_users_shard_map():
+    """In `jax.shard_map` (check_vma=True, the default) the kernels' outputs vary over the
+    mesh axes their inputs vary over (a `pallas_call` must be told): values, gradients
+    and tangents, batch-sharded with segment ids, and the ring strategy."""
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("x",))
+    q, k, v = qkv(10, (2, 2, 128, 32), (2, 2, 128, 32))
+    ids = jnp.sort(jax.random.randint(jax.random.key(11), (2, 128), 0, 2), axis=-1)
+    options = dict(causal=True, q_segment_ids=ids, kv_segment_ids=ids)
+
+    def sharded(q, k, v, ids):
+        return flash_attention(q, k, v, causal=True, q_segment_ids=ids, kv_segment_ids=ids,
+                               **PALLAS, **BLOCKS)
+
+    spec = P("x")
+    attention = jax.shard_map(sharded, mesh=mesh, in_specs=(spec,) * 4,
+                              out_specs=(spec, spec))
+    _compare_on(lambda q, k, v: attention(q, k, v, ids), q, k, v, **options)
+    seq = P(None, None, "x")
+    ring = jax.shard_map(
+        lambda q, k, v: eqx_flash.ring_flash_attention(q, k, v, axis_name="x", causal=True,
+                                                       **PALLAS),
+        mesh=mesh, in_specs=(seq,) * 3, out_specs=(seq, seq))
+    _compare_on(ring, q, k, v, causal=True)
+
+
+def _compare_on(attention, q, k, v, **options):
+    """`attention(q, k, v)` against `plain_attention(q, k, v, **options)`: values, the
+    gradients of `_loss`, and a jvp."""
+    out, lse = jax.jit(attention)(q, k, v)
+    ref_out, ref_lse = plain_attention(q, k, v, **options)
+    assert_close(out, ref_out, name="out")
+    assert_lse_close(lse, ref_lse, jnp.float32)
+    grad = functools.partial(jax.grad, argnums=(0, 1, 2))
+    got = jax.jit(grad(lambda q, k, v: _loss(lambda *a: attention(*a), q, k, v)))(q, k, v)
+    want = grad(lambda q, k, v: _loss(plain_attention, q, k, v, **options))(q, k, v)
+    for name, a, b in zip("qkv", got, want, strict=True):
+        assert_close(a, b, kind="grad", name=f"d{name}")
+    tangent = jax.jvp(lambda q: attention(q, k, v)[0], (q,), (v,))[1]
+    ref = jax.jvp(lambda q: plain_attention(q, k, v, **options)[0], (q,), (v,))[1]
+    assert_close(tangent, ref, kind="grad", name="jvp")

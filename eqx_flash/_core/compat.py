@@ -5,6 +5,7 @@ newest; everything else the package uses is common to all of them.
 | --- | --- | --- |
 | `pcast_varying(x, axes)` | `lax.pcast(x, axes, to="varying")` | `lax.pvary(x, axes)` |
 | `varying_axes(x)` | `jax.typeof(x).manual_axis_type.varying` | `jax.typeof(x).vma` |
+| `varying_struct(shape, dtype, axes)` | `ShapeDtypeStruct(manual_axis_type=)` | `(vma=)` |
 | `set_current_trace` | `jax.extend.core.set_current_trace` | `jax._src.core`'s |
 
 `jax.shard_map(..., check_vma=)`, `jax.typeof`, `jax.lax.axis_size` and `jax.tree.*`
@@ -42,6 +43,20 @@ def varying_axes(x: Array) -> frozenset[Hashable]:
     if manual is not None:
         return frozenset(manual.varying)
     return frozenset(getattr(aval, "vma", ()))  # older jax: the same set, named `vma`
+
+
+def varying_struct(shape: tuple[int, ...], dtype, axes: frozenset[Hashable]
+                   ) -> jax.ShapeDtypeStruct:
+    """`jax.ShapeDtypeStruct(shape, dtype)` varying over the manual mesh axes `axes` (a
+    `pallas_call`'s output inside `shard_map` with `check_vma=True` must say how it
+    varies); a plain one when `axes` is empty."""
+    if not axes:
+        return jax.ShapeDtypeStruct(shape, dtype)
+    like = jax.typeof(pcast_varying(jax.numpy.zeros((), dtype), tuple(sorted(axes, key=str))))
+    manual = getattr(like, "manual_axis_type", None)
+    if manual is not None:
+        return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=manual)
+    return jax.ShapeDtypeStruct(shape, dtype, vma=like.vma)  # pyright: ignore
 
 
 def unsharded(x: Array) -> bool:

@@ -27,7 +27,7 @@ from ..._core.config import KernelConfig, stat_dtype
 from ..._core.operands import Operands, differentiable_part
 from ._operands import SUBLANES, BlockOperands, lane_blocks, prepare
 from ._plan import Plan, backward_plan, forward_plan
-from ._platform import on_tpu_or_interpreted
+from ._platform import on_tpu_or_interpreted, output_struct
 from ._tile import DEFAULT_TUNING, LANES, NN, NT, TN, Tuning, Units, dot, lanes, logits, units
 from ._tile import prepared_queries as _prepared_queries
 
@@ -134,13 +134,14 @@ def _dkv_call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units,
     ]
     out_specs = [pl.BlockSpec((None, None, bk, d), kv_map),
                  pl.BlockSpec((None, None, bk, dv), kv_map)]
-    out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+    inputs = (q, k, v, d_out, lse, delta, *operands.block_arrays, *operands.scalar_tables)
+    out_shape = [output_struct(k.shape, k.dtype, inputs), output_struct(v.shape, v.dtype, inputs)]
     scratch = [pltpu.VMEM((bk, d), stat), pltpu.VMEM((bk, dv), stat)]
     item = q.dtype.itemsize
     blocks = 2 * item * (g * bq * (d + dv) + bk * (d + dv)) + 4 * (bk * (d + dv) + 4 * bk * chunk)
     if fused:
         out_specs.insert(0, pl.BlockSpec((None, None, g, seq_q, d), head_map))
-        out_shape.insert(0, jax.ShapeDtypeStruct(q.shape, q.dtype))
+        out_shape.insert(0, output_struct(q.shape, q.dtype, inputs))
         scratch.append(pltpu.VMEM((g, seq_q, d), stat))
         blocks += g * seq_q * d * (4 + 2 * item)
         # dq gathers over the key blocks: they run in order within a head.
@@ -275,7 +276,9 @@ def _dq_call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units, q
             out_specs=pl.BlockSpec((None, None, g, bq, d), q_map),
             scratch_shapes=[pltpu.VMEM((rows, d), stat)],
         ),
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_shape=output_struct(q.shape, q.dtype, (q, k, v, d_out, lse, delta,
+                                                   *operands.block_arrays,
+                                                   *operands.scalar_tables)),
         compiler_params=_params(("parallel", "parallel", "parallel", "arbitrary"), blocks),
         interpret=interpret,
         name="eqx_flash_backward_dq",

@@ -15,7 +15,6 @@ Reading order: `forward` (layout, tables, `pallas_call`) -> `_kernel` (one grid 
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
@@ -25,7 +24,7 @@ from ..._core.config import KernelConfig, stat_dtype
 from ..._core.operands import Operands
 from ._operands import BlockOperands, prepare
 from ._plan import Plan, forward_plan
-from ._platform import on_tpu_or_interpreted
+from ._platform import on_tpu_or_interpreted, output_struct
 from ._tile import (
     DEFAULT_TUNING,
     LANES,
@@ -82,10 +81,11 @@ def _call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units,
         pl.BlockSpec((None, None, g, bq, LANES), q_map),  # lse, lane-replicated
         pl.BlockSpec((None, None, g, bq, LANES), q_map),  # max score
     ]
+    inputs = (q, k, v, *operands.block_arrays, *operands.scalar_tables)
     out_shape = [
-        jax.ShapeDtypeStruct((b, h, g, seq_q, dv), q.dtype),
-        jax.ShapeDtypeStruct((b, h, g, seq_q, LANES), stat),
-        jax.ShapeDtypeStruct((b, h, g, seq_q, LANES), stat),
+        output_struct((b, h, g, seq_q, dv), q.dtype, inputs),
+        output_struct((b, h, g, seq_q, LANES), stat, inputs),
+        output_struct((b, h, g, seq_q, LANES), stat, inputs),
     ]
     rows = g * bq
     scratch = [pltpu.VMEM((rows, LANES), stat), pltpu.VMEM((rows, LANES), stat),

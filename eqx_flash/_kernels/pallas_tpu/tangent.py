@@ -12,7 +12,6 @@ attend it (a NaN tangent never makes `out` NaN).
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
@@ -22,7 +21,7 @@ from ..._core.config import KernelConfig, stat_dtype
 from ..._core.operands import Operands
 from ._operands import BlockOperands, prepare
 from ._plan import Plan, forward_plan
-from ._platform import on_tpu_or_interpreted
+from ._platform import on_tpu_or_interpreted, output_struct
 from ._tile import (
     DEFAULT_TUNING,
     LANES,
@@ -89,11 +88,12 @@ def _call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units, chun
                  pl.BlockSpec((None, None, g, bq, LANES), q_map),
                  pl.BlockSpec((None, None, g, bq, dv_dim), q_map),
                  pl.BlockSpec((None, None, g, bq, LANES), q_map)]
-    out_shape = [jax.ShapeDtypeStruct((b, h, g, seq_q, dv_dim), q.dtype),
-                 jax.ShapeDtypeStruct((b, h, g, seq_q, LANES), stat),
-                 jax.ShapeDtypeStruct((b, h, g, seq_q, LANES), stat),
-                 jax.ShapeDtypeStruct((b, h, g, seq_q, dv_dim), q.dtype),
-                 jax.ShapeDtypeStruct((b, h, g, seq_q, LANES), stat)]
+    inputs = (q, k, v, *tangents, *operands.block_arrays, *operands.scalar_tables)
+    out_shape = [output_struct((b, h, g, seq_q, dv_dim), q.dtype, inputs),
+                 output_struct((b, h, g, seq_q, LANES), stat, inputs),
+                 output_struct((b, h, g, seq_q, LANES), stat, inputs),
+                 output_struct((b, h, g, seq_q, dv_dim), q.dtype, inputs),
+                 output_struct((b, h, g, seq_q, LANES), stat, inputs)]
     scratch = [pltpu.VMEM((rows, LANES), stat), pltpu.VMEM((rows, LANES), stat),
                pltpu.VMEM((rows, dv_dim), stat), pltpu.VMEM((rows, dv_dim), stat),
                pltpu.VMEM((rows, LANES), stat)]
