@@ -61,6 +61,22 @@ def test_dropout_and_dense_mask_match_plain(getkey):
     assert_close(out, ref)
 
 
+@covers("kernel_family")
+def test_kernel_family_and_the_pallas_kernels_interpreted(getkey):
+    """Which family a call gets, and the Pallas TPU kernels run in Pallas' interpreter
+    off a TPU (on every supported jax), against plain attention."""
+    q, k, v = qkv(getkey(), (1, 2, 128, 32), (1, 2, 128, 32))
+    family, reason = eqx_flash.kernel_family(q, k, v, causal=True)
+    assert family == ("pallas_tpu" if jax.default_backend() == "tpu" else "xla") and reason
+    family, reason = eqx_flash.kernel_family(q, k, v, bias=jnp.zeros((128, 128)),
+                                             kernels="pallas_tpu")
+    assert family is None and "bias" in reason
+    out, lse = eqx_flash.flash_attention(q, k, v, causal=True, kernels="pallas_tpu")
+    ref, ref_lse = eqx_flash.plain_attention(q, k, v, causal=True)
+    assert_close(out, ref)
+    assert_lse_close(lse, ref_lse)
+
+
 @covers("causal_flash_attention")
 def test_causal_flash_attention_is_flash_causal(getkey):
     q, k, v = qkv(getkey(), (33, 8), (33, 8))
