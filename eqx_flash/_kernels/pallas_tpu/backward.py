@@ -25,9 +25,10 @@ from jaxtyping import Array
 
 from ..._core.config import KernelConfig, stat_dtype
 from ..._core.operands import Operands, differentiable_part
+from ._call import planned_call, split_refs
 from ._operands import SUBLANES, BlockOperands, lane_blocks, prepare
 from ._plan import Plan, backward_plan, forward_plan
-from ._platform import on_tpu_or_interpreted, output_struct
+from ._platform import on_tpu_or_interpreted
 from ._tile import DEFAULT_TUNING, LANES, NN, NT, TN, Tuning, Units, dot, lanes, logits, units
 from ._tile import prepared_queries as _prepared_queries
 
@@ -65,18 +66,6 @@ def backward(cfg: KernelConfig, q: Array, k: Array, v: Array, ops: Operands, lse
                                     q_in, k, v, d_out, lse_u, delta)
     none = jax.tree.map(lambda _: None, differentiable_part(ops))
     return d_q, d_k, d_v, none
-
-
-def _params(semantics, blocks_bytes: int) -> pltpu.CompilerParams:
-    limit = int(min(max(2 * blocks_bytes, 32 * 2**20), 100 * 2**20))
-    return pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=limit)
-
-
-def _split(refs, operands: BlockOperands, inputs: int):
-    """`(tables, inputs, operand refs, the rest)` of a kernel's refs."""
-    n_tables, n_blocks = len(operands.scalar_tables), len(operands.block_arrays)
-    tables, refs = refs[:n_tables], refs[n_tables:]
-    return tables, refs[:inputs], refs[inputs:inputs + n_blocks], refs[inputs + n_blocks:]
 
 
 def _ds(p, dp, delta, t, mask):
@@ -134,14 +123,13 @@ def _dkv_call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units,
     ]
     out_specs = [pl.BlockSpec((None, None, bk, d), kv_map),
                  pl.BlockSpec((None, None, bk, dv), kv_map)]
-    inputs = (q, k, v, d_out, lse, delta, *operands.block_arrays, *operands.scalar_tables)
-    out_shape = [output_struct(k.shape, k.dtype, inputs), output_struct(v.shape, v.dtype, inputs)]
+    outputs = [(k.shape, k.dtype), (v.shape, v.dtype)]
     scratch = [pltpu.VMEM((bk, d), stat), pltpu.VMEM((bk, dv), stat)]
     item = q.dtype.itemsize
     blocks = 2 * item * (g * bq * (d + dv) + bk * (d + dv)) + 4 * (bk * (d + dv) + 4 * bk * chunk)
     if fused:
         out_specs.insert(0, pl.BlockSpec((None, None, g, seq_q, d), head_map))
-        out_shape.insert(0, output_struct(q.shape, q.dtype, inputs))
+        outputs.insert(0, (q.shape, q.dtype))
         scratch.append(pltpu.VMEM((g, seq_q, d), stat))
         blocks += g * seq_q * d * (4 + 2 * item)
         # dq gathers over the key blocks: they run in order within a head.
@@ -150,26 +138,17 @@ def _dkv_call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units,
         semantics = ("parallel", "parallel", "parallel", "arbitrary")
     kernel = functools.partial(_dkv_kernel, cfg=cfg, operands=operands, u=u, chunk=chunk,
                                steps=steps, fused=fused)
-    return pl.pallas_call(
-        kernel,
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2 + len(operands.scalar_tables),
-            grid=(b, h, num_k, steps),
-            in_specs=in_specs,
-            out_specs=out_specs,
-            scratch_shapes=scratch,
-        ),
-        out_shape=out_shape,
-        compiler_params=_params(semantics, blocks),
-        interpret=interpret,
+    return planned_call(
+        kernel, plan=plan, operands=operands, grid=(b, h, num_k, steps), in_specs=in_specs,
+        out_specs=out_specs, outputs=outputs, scratch=scratch, semantics=semantics,
+        vmem_bytes=blocks,
         name="eqx_flash_backward_fused" if fused else "eqx_flash_backward_dkv",
-    )(jnp.asarray(plan.kv_block), jnp.asarray(plan.flag), *operands.scalar_tables,
-      q, k, v, d_out, *rows, *operands.block_arrays)
+        interpret=interpret)(q, k, v, d_out, *rows)
 
 
 def _dkv_kernel(q_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: BlockOperands,
                 u: Units, chunk: int, steps: int, fused: bool):
-    tables, (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), operand_refs, rest = _split(
+    tables, (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), operand_refs, rest = split_refs(
         refs, operands, 6)
     if fused:
         dq_ref, dk_ref, dv_ref, dk_acc, dv_acc, dq_acc = rest
@@ -267,28 +246,18 @@ def _dq_call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units, q
     blocks = (2 * item * (rows * (d + dv) + bk * (d + dv) + rows * d)
               + 4 * (rows * d + 4 * rows * bk + 4 * rows * LANES))
     kernel = functools.partial(_dq_kernel, cfg=cfg, operands=operands, u=u, steps=steps)
-    return pl.pallas_call(
-        kernel,
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2 + len(operands.scalar_tables),
-            grid=(b, h, num_q, steps),
-            in_specs=in_specs,
-            out_specs=pl.BlockSpec((None, None, g, bq, d), q_map),
-            scratch_shapes=[pltpu.VMEM((rows, d), stat)],
-        ),
-        out_shape=output_struct(q.shape, q.dtype, (q, k, v, d_out, lse, delta,
-                                                   *operands.block_arrays,
-                                                   *operands.scalar_tables)),
-        compiler_params=_params(("parallel", "parallel", "parallel", "arbitrary"), blocks),
-        interpret=interpret,
-        name="eqx_flash_backward_dq",
-    )(jnp.asarray(plan.kv_block), jnp.asarray(plan.flag), *operands.scalar_tables,
-      q, k, v, d_out, *columns, *operands.block_arrays)
+    (d_q,) = planned_call(
+        kernel, plan=plan, operands=operands, grid=(b, h, num_q, steps), in_specs=in_specs,
+        out_specs=[pl.BlockSpec((None, None, g, bq, d), q_map)],
+        outputs=[(q.shape, q.dtype)], scratch=[pltpu.VMEM((rows, d), stat)],
+        semantics=("parallel", "parallel", "parallel", "arbitrary"), vmem_bytes=blocks,
+        name="eqx_flash_backward_dq", interpret=interpret)(q, k, v, d_out, *columns)
+    return d_q
 
 
 def _dq_kernel(kv_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: BlockOperands,
                u: Units, steps: int):
-    tables, (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), operand_refs, rest = _split(
+    tables, (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), operand_refs, rest = split_refs(
         refs, operands, 6)
     dq_ref, acc_ref = rest
     bi, i, s = pl.program_id(0), pl.program_id(2), pl.program_id(3)

@@ -22,9 +22,10 @@ from jaxtyping import Array
 
 from ..._core.config import KernelConfig, stat_dtype
 from ..._core.operands import Operands
+from ._call import planned_call, split_refs
 from ._operands import BlockOperands, prepare
 from ._plan import Plan, forward_plan
-from ._platform import on_tpu_or_interpreted, output_struct
+from ._platform import on_tpu_or_interpreted
 from ._tile import (
     DEFAULT_TUNING,
     LANES,
@@ -81,56 +82,35 @@ def _call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units,
         pl.BlockSpec((None, None, g, bq, LANES), q_map),  # lse, lane-replicated
         pl.BlockSpec((None, None, g, bq, LANES), q_map),  # max score
     ]
-    inputs = (q, k, v, *operands.block_arrays, *operands.scalar_tables)
-    out_shape = [
-        output_struct((b, h, g, seq_q, dv), q.dtype, inputs),
-        output_struct((b, h, g, seq_q, LANES), stat, inputs),
-        output_struct((b, h, g, seq_q, LANES), stat, inputs),
-    ]
+    outputs = [((b, h, g, seq_q, dv), q.dtype), ((b, h, g, seq_q, LANES), stat),
+               ((b, h, g, seq_q, LANES), stat)]
     rows = g * bq
     scratch = [pltpu.VMEM((rows, LANES), stat), pltpu.VMEM((rows, LANES), stat),
                pltpu.VMEM((rows, dv), stat)]
     kernel = functools.partial(_kernel, cfg=cfg, operands=operands, u=u, chunk=chunk,
                                steps=steps)
-    out, lse, max_score = pl.pallas_call(
-        kernel,
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2 + len(operands.scalar_tables),
-            grid=(b, h, num_q, steps),
-            in_specs=in_specs,
-            out_specs=out_specs,
-            scratch_shapes=scratch,
-        ),
-        out_shape=out_shape,
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
-            vmem_limit_bytes=_vmem_limit(rows, bk, d, dv, q.dtype),
-        ),
-        interpret=interpret,
-        name="eqx_flash_forward",
-    )(jnp.asarray(plan.kv_block), jnp.asarray(plan.flag), *operands.scalar_tables,
-      q, k, v, *operands.block_arrays)
+    out, lse, max_score = planned_call(
+        kernel, plan=plan, operands=operands, grid=(b, h, num_q, steps), in_specs=in_specs,
+        out_specs=out_specs, outputs=outputs, scratch=scratch,
+        semantics=("parallel", "parallel", "parallel", "arbitrary"),
+        vmem_bytes=_vmem_bytes(rows, bk, d, dv, q.dtype), name="eqx_flash_forward",
+        interpret=interpret)(q, k, v)
     return out, lse[..., 0], max_score[..., 0]
 
 
-def _vmem_limit(rows: int, bk: int, d: int, dv: int, dtype) -> int:
-    """Scoped VMEM for one step: double-buffered q, k, v and out blocks, the f32 logits
-    and weights, the scratch; with room to spare (the default scoped limit is smaller
-    than large blocks need)."""
+def _vmem_bytes(rows: int, bk: int, d: int, dv: int, dtype) -> int:
+    """VMEM for one step: double-buffered q, k, v and out blocks, the f32 logits and
+    weights, the scratch."""
     item = jnp.dtype(dtype).itemsize
     blocks = 2 * item * (rows * d + bk * d + bk * dv + rows * dv) + 2 * 4 * 2 * rows * LANES
     temps = 4 * (3 * rows * bk + rows * (dv + 2 * LANES))
-    return int(min(max(2 * (blocks + temps), 32 * 2**20), 100 * 2**20))
+    return blocks + temps
 
 
 def _kernel(kv_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: BlockOperands,
             u: Units, chunk: int, steps: int):
-    num_tables = len(operands.scalar_tables)
-    tables, refs = refs[:num_tables], refs[num_tables:]
-    q_ref, k_ref, v_ref = refs[:3]
-    num_blocks = len(operands.block_arrays)
-    operand_refs = refs[3:3 + num_blocks]
-    o_ref, lse_ref, max_ref, m_scr, l_scr, acc_scr = refs[3 + num_blocks:]
+    tables, (q_ref, k_ref, v_ref), operand_refs, rest = split_refs(refs, operands, 3)
+    o_ref, lse_ref, max_ref, m_scr, l_scr, acc_scr = rest
     bi, hi, i, s = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
 
     @pl.when(s == 0)

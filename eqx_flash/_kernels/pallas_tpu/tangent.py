@@ -19,9 +19,10 @@ from jaxtyping import Array
 
 from ..._core.config import KernelConfig, stat_dtype
 from ..._core.operands import Operands
+from ._call import planned_call, split_refs
 from ._operands import BlockOperands, prepare
 from ._plan import Plan, forward_plan
-from ._platform import on_tpu_or_interpreted, output_struct
+from ._platform import on_tpu_or_interpreted
 from ._tile import (
     DEFAULT_TUNING,
     LANES,
@@ -35,7 +36,7 @@ from ._tile import (
     prepared_queries,
     units,
 )
-from .forward import _FLOOR, _vmem_limit, _write_finish
+from .forward import _FLOOR, _vmem_bytes, _write_finish
 
 
 def forward_and_tangent(cfg: KernelConfig, q: Array, k: Array, v: Array, ops: Operands,
@@ -88,48 +89,31 @@ def _call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units, chun
                  pl.BlockSpec((None, None, g, bq, LANES), q_map),
                  pl.BlockSpec((None, None, g, bq, dv_dim), q_map),
                  pl.BlockSpec((None, None, g, bq, LANES), q_map)]
-    inputs = (q, k, v, *tangents, *operands.block_arrays, *operands.scalar_tables)
-    out_shape = [output_struct((b, h, g, seq_q, dv_dim), q.dtype, inputs),
-                 output_struct((b, h, g, seq_q, LANES), stat, inputs),
-                 output_struct((b, h, g, seq_q, LANES), stat, inputs),
-                 output_struct((b, h, g, seq_q, dv_dim), q.dtype, inputs),
-                 output_struct((b, h, g, seq_q, LANES), stat, inputs)]
+    outputs = [((b, h, g, seq_q, dv_dim), q.dtype), ((b, h, g, seq_q, LANES), stat),
+               ((b, h, g, seq_q, LANES), stat), ((b, h, g, seq_q, dv_dim), q.dtype),
+               ((b, h, g, seq_q, LANES), stat)]
     scratch = [pltpu.VMEM((rows, LANES), stat), pltpu.VMEM((rows, LANES), stat),
                pltpu.VMEM((rows, dv_dim), stat), pltpu.VMEM((rows, dv_dim), stat),
                pltpu.VMEM((rows, LANES), stat)]
     kernel = functools.partial(_kernel, cfg=cfg, operands=operands, u=u, chunk=chunk,
                                steps=steps, has=has)
-    out, lse, max_score, d_out, d_lse = pl.pallas_call(
-        kernel,
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2 + len(operands.scalar_tables),
-            grid=(b, h, num_q, steps),
-            in_specs=in_specs,
-            out_specs=out_specs,
-            scratch_shapes=scratch,
-        ),
-        out_shape=out_shape,
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
-            vmem_limit_bytes=_vmem_limit(2 * rows, 2 * bk, d, 2 * dv_dim, q.dtype),
-        ),
-        interpret=interpret,
-        name="eqx_flash_forward_and_tangent",
-    )(jnp.asarray(plan.kv_block), jnp.asarray(plan.flag), *operands.scalar_tables,
-      q, k, v, *tangents, *operands.block_arrays)
+    out, lse, max_score, d_out, d_lse = planned_call(
+        kernel, plan=plan, operands=operands, grid=(b, h, num_q, steps), in_specs=in_specs,
+        out_specs=out_specs, outputs=outputs, scratch=scratch,
+        semantics=("parallel", "parallel", "parallel", "arbitrary"),
+        vmem_bytes=_vmem_bytes(2 * rows, 2 * bk, d, 2 * dv_dim, q.dtype),
+        name="eqx_flash_forward_and_tangent", interpret=interpret)(q, k, v, *tangents)
     return out, lse[..., 0], max_score[..., 0], d_out, d_lse[..., 0]
 
 
 def _kernel(kv_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: BlockOperands,
             u: Units, chunk: int, steps: int, has: tuple[bool, bool, bool]):
-    n_tables, n_blocks = len(operands.scalar_tables), len(operands.block_arrays)
-    tables, refs = refs[:n_tables], refs[n_tables:]
-    q_ref, k_ref, v_ref = refs[:3]
-    it = iter(refs[3:3 + sum(has)])
+    tables, inputs, operand_refs, rest = split_refs(refs, operands, 3 + sum(has))
+    q_ref, k_ref, v_ref = inputs[:3]
+    it = iter(inputs[3:])
     dq_ref, dk_ref, dv_ref = (next(it) if present else None for present in has)
-    operand_refs = refs[3 + sum(has):3 + sum(has) + n_blocks]
     (o_ref, lse_ref, max_ref, do_ref, dlse_ref,
-     m_scr, l_scr, acc_scr, acc_t_scr, acc_ds_scr) = refs[3 + sum(has) + n_blocks:]
+     m_scr, l_scr, acc_scr, acc_t_scr, acc_ds_scr) = rest
     bi, hi, i, s = (pl.program_id(n) for n in range(4))
     g, bq, d = q_ref.shape
     bk = k_ref.shape[0]
