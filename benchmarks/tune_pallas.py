@@ -195,7 +195,13 @@ VARIANTS = {
     "unfused": Tuning(fused_backward=False, chunk=None),
     "prescale": Tuning(prescale=True, chunk=None),
     "chunk256": Tuning(chunk=256, chunk_banded_backward=True),
+    "whole rows": Tuning(partial_rows=None),
+    "rows512": Tuning(partial_rows=512),
 }
+# `PLANS="1024x1024:default,2048x1024:whole rows"`: blocks and variant per kernel timed.
+DEFAULT_PLANS = ("1024x512:base2 fused,1024x1024:base2 fused,2048x512:base2 fused,"
+                 "2048x1024:base2 fused,1024x1024:natural,1024x1024:unfused,"
+                 "1024x1024:prescale,1024x2048:chunk256,2048x1024:chunk256")
 
 def tune():
     budget = time.time() + float(os.environ.get("BUDGET", "200"))
@@ -205,11 +211,9 @@ def tune():
     for seq in seqs:
         b = 16384 // seq
         q4, k4, v4, do4 = inputs(b, h, 1, seq, seq, d, dtype)
-        for causal in (False, True):
+        for causal in [bool(int(c)) for c in os.environ.get("CAUSAL", "0 1").split()]:
             flops = 4.0 * b * h * seq * seq * d * (0.5 if causal else 1)
-            plans = [("1024x512", "base2 fused"), ("1024x1024", "base2 fused"), ("2048x512", "base2 fused"),
-                     ("2048x1024", "base2 fused"), ("1024x1024", "natural"), ("1024x1024", "unfused"),
-                     ("1024x1024", "prescale"), ("1024x2048", "chunk256"), ("2048x1024", "chunk256")]
+            plans = [tuple(p.split(":")) for p in os.environ.get("PLANS", DEFAULT_PLANS).split(",")]
             for blk, var in plans:
                 bq, bk = map(int, blk.split("x"))
                 if bq > seq or bk > seq: continue

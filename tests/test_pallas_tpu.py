@@ -1,8 +1,8 @@
 """The Pallas TPU family: the same answers as the reference, on any host.
 
 Off a TPU, `kernels="pallas_tpu"` runs the very kernels a TPU compiles, in Pallas'
-interpreter (slow: small shapes here); `jax.export(..., platforms=("tpu",))` then proves
-that they lower to Mosaic kernels for the supported head dims and the default blocks.
+interpreter (slow: small shapes here); `tests/test_pallas_tpu_lowering.py` proves, on any
+host, that they lower to Mosaic kernels.
 What the family does not cover raises with an explicit request and falls back with
 `kernels=None`; `eqx_flash.kernel_family` says which family a call gets and why.
 """
@@ -36,14 +36,14 @@ def _compare(q, k, v, dtype=jnp.float32, grads=True, **kwargs):
     """Values, lse and gradients of q, k, v against `plain_attention`."""
     pallas = functools.partial(flash_attention, **PALLAS, **BLOCKS)
     out, lse = jax.jit(lambda q, k, v: pallas(q, k, v, **kwargs))(q, k, v)
-    ref_out, ref_lse = plain_attention(q, k, v, **kwargs)
+    ref_out, ref_lse = jax.jit(lambda q, k, v: plain_attention(q, k, v, **kwargs))(q, k, v)
     assert_close(out, ref_out, dtype, name="out")
     assert_lse_close(lse, ref_lse, dtype)
     if not grads:
         return
     grad = functools.partial(jax.grad, argnums=(0, 1, 2))
     got = jax.jit(grad(lambda q, k, v: _loss(pallas, q, k, v, **kwargs)))(q, k, v)
-    want = grad(lambda q, k, v: _loss(plain_attention, q, k, v, **kwargs))(q, k, v)
+    want = jax.jit(grad(lambda q, k, v: _loss(plain_attention, q, k, v, **kwargs)))(q, k, v)
     for name, a, b in zip("qkv", got, want, strict=True):
         assert_close(a, b, dtype, kind="grad", name=f"d{name}")
 
@@ -77,6 +77,24 @@ def test_masks_against_reference():
     pos_q = jnp.tile(jnp.arange(160)[None] + 96, (2, 1))
     pos_k = jnp.tile(jnp.arange(256)[None], (2, 1))
     _compare(q, k, v, q_positions=pos_q, kv_positions=pos_k, window=(40, 0))
+
+
+@pytest.mark.parametrize("options", [
+    dict(causal=True),
+    dict(causal=True, mask=jnp.arange(1200) % 7 != 3),
+    dict(window=(600, 20), q_segment_ids=jnp.arange(1100) // 450,
+         kv_segment_ids=jnp.arange(1200) // 490),
+], ids=["causal", "causal and key mask", "window and segment ids"])
+def test_blocks_the_band_crosses_in_row_tiles(options):
+    """A query block of 1024 rows is taken in tiles of 512 rows where the band crosses
+    it (`Tuning.partial_rows`): tiles it empties skipped, whole ones unmasked — with
+    GQA (two query heads per tile) and bottom-right alignment (1200 keys, 1100 queries)."""
+    q, k, v = qkv(9, (1, 4, 1100, 32), (1, 2, 1200, 32))
+    pallas = functools.partial(flash_attention, **PALLAS, block_q=1024, block_k=256)
+    out, lse = jax.jit(lambda q, k, v: pallas(q, k, v, **options))(q, k, v)
+    ref_out, ref_lse = jax.jit(lambda q, k, v: plain_attention(q, k, v, **options))(q, k, v)
+    assert_close(out, ref_out, jnp.float32, name="out")
+    assert_lse_close(lse, ref_lse, jnp.float32)
 
 
 def test_empty_rows_and_nonfinite_values():
@@ -163,55 +181,6 @@ def test_every_entry_point_takes_kernels():
             eqx_flash.dot_product_attention(q, q, q, kernels=bad)
 
 
-@pytest.mark.parametrize("dim", [64, 128, 256])
-def test_lowers_to_mosaic_kernels(dim):
-    """On any host, exporting for a TPU yields Mosaic kernels: the forward's, and the
-    backward's (fused) — at the default blocks, causal and not, bf16."""
-    q = jax.ShapeDtypeStruct((1, 4, 2048, dim), jnp.bfloat16)
-
-    def loss(q, k, v, causal):
-        out, lse = flash_attention(q, k, v, causal=causal, **PALLAS)
-        return jnp.sum(out.astype(jnp.float32)) + jnp.sum(lse)
-
-    for causal in (False, True):
-        fwd = jax.jit(lambda q, k, v, c=causal: flash_attention(q, k, v, causal=c, **PALLAS))
-        grad = jax.jit(jax.grad(functools.partial(loss, causal=causal), argnums=(0, 1, 2)))
-        for fn, kernels in ((fwd, 1), (grad, 2)):
-            exported = jax.export.export(fn, platforms=("tpu",))(q, q, q)
-            text = exported.mlir_module()
-            assert text.count("tpu_custom_call") == kernels, (dim, causal, kernels)
-
-
-@pytest.mark.parametrize("blocks", [BLOCKS, {}], ids=["blocks 64x128", "default blocks"])
-def test_the_shapes_tested_here_lower_to_mosaic_kernels(blocks):
-    """Mosaic takes a block only in whole (8, 128) tiles or whole trailing dimensions, a
-    rule the interpreter does not check: the small, odd shapes of this file (lengths
-    that are no block multiple, a 64-row query block, GQA, every mask), exported for a
-    TPU on any host, forward, gradients and jvp."""
-    q = jax.ShapeDtypeStruct((2, 4, 160, 32), jnp.float32)
-    kv = jax.ShapeDtypeStruct((2, 2, 300, 32), jnp.float32)
-    ids = (jnp.zeros((2, 160), jnp.int32), jnp.zeros((2, 300), jnp.int32))
-    masks = {
-        "causal softcap": dict(causal=True, softcap=2.0),
-        "key mask": dict(mask=jnp.ones((2, 300), bool), causal=True),
-        "segment ids": dict(q_segment_ids=ids[0], kv_segment_ids=ids[1]),
-        "lengths": dict(q_lengths=jnp.array([160, 40]), kv_lengths=jnp.array([300, 10])),
-        "positions": dict(q_positions=ids[0], kv_positions=ids[1], window=(40, 0)),
-    }
-    for name, options in masks.items():
-        flash = functools.partial(flash_attention, **options, **PALLAS, **blocks)
-
-        def grad(q, k, v, flash=flash):
-            return jax.grad(lambda q, k, v: _loss(flash, q, k, v), argnums=(0, 1, 2))(q, k, v)
-
-        def jvp(q, k, v, flash=flash):
-            return jax.jvp(lambda q: flash(q, k, v)[0], (q,), (q,))
-
-        for fn in (grad, jvp):
-            exported = jax.export.export(jax.jit(fn), platforms=("tpu",))(q, kv, kv)
-            assert "tpu_custom_call" in exported.mlir_module(), (name, fn.__name__)
-
-
 def test_inside_a_users_shard_map():
     """In `jax.shard_map` (check_vma=True, the default) the kernels' outputs vary over the
     mesh axes their inputs vary over (a `pallas_call` must be told): values, gradients
@@ -244,12 +213,13 @@ def _compare_on(attention, q, k, v, **options):
     """`attention(q, k, v)` against `plain_attention(q, k, v, **options)`: values, the
     gradients of `_loss`, and a jvp."""
     out, lse = jax.jit(attention)(q, k, v)
-    ref_out, ref_lse = plain_attention(q, k, v, **options)
+    reference = functools.partial(plain_attention, **options)
+    ref_out, ref_lse = jax.jit(reference)(q, k, v)
     assert_close(out, ref_out, name="out")
     assert_lse_close(lse, ref_lse, jnp.float32)
     grad = functools.partial(jax.grad, argnums=(0, 1, 2))
     got = jax.jit(grad(lambda q, k, v: _loss(lambda *a: attention(*a), q, k, v)))(q, k, v)
-    want = grad(lambda q, k, v: _loss(plain_attention, q, k, v, **options))(q, k, v)
+    want = jax.jit(grad(lambda q, k, v: _loss(reference, q, k, v)))(q, k, v)
     for name, a, b in zip("qkv", got, want, strict=True):
         assert_close(a, b, kind="grad", name=f"d{name}")
     tangent = jax.jvp(lambda q: attention(q, k, v)[0], (q,), (v,))[1]

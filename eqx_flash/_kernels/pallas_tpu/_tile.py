@@ -46,6 +46,10 @@ class Tuning:
     # One backward kernel (dq accumulated in VMEM across the key blocks) where the
     # queries' dq fits; else a dq kernel and a dk/dv kernel (1.27x slower at seq 4096).
     fused_backward: bool = True
+    # Query rows per tile of a block the band crosses (forward): the tiles it leaves
+    # empty are skipped and those it leaves whole computed without the mask (None: the
+    # block's rows in one tile; a causal diagonal block then computes its masked half).
+    partial_rows: int | None = 512
 
     def forward_chunk(self, block_k: int) -> int:
         return _slice(self.chunk, block_k)
@@ -54,6 +58,11 @@ class Tuning:
         banded = not cfg.band_window.is_unbounded
         chunk = None if banded and not self.chunk_banded_backward else self.chunk
         return _slice(chunk, cfg.block_q)
+
+
+    def partial_split(self, block_q: int) -> int | None:
+        rows = self.partial_rows
+        return None if rows is None or rows >= block_q or block_q % rows else rows
 
 
 def _slice(chunk: int | None, block: int) -> int:

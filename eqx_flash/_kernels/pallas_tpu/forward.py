@@ -22,6 +22,7 @@ from jaxtyping import Array
 
 from ..._core.config import KernelConfig, stat_dtype
 from ..._core.operands import Operands
+from ..._semantics.masking import window_overlap
 from ._call import planned_call, split_refs
 from ._operands import BlockOperands, prepare
 from ._plan import Plan, forward_plan
@@ -51,12 +52,13 @@ def forward(cfg: KernelConfig, q: Array, k: Array, v: Array, ops: Operands,
     masked = plan.any_partial or ops.has_data_mask or ops.has_positions
     operands = prepare(cfg, ops, q.shape[0], v if masked else None)
     u = units(cfg, q.dtype, tuning)
-    call = functools.partial(_call, cfg, plan, operands, u, tuning.forward_chunk(cfg.block_k))
+    call = functools.partial(_call, cfg, plan, operands, u, tuning.forward_chunk(cfg.block_k),
+                             tuning.partial_split(cfg.block_q))
     return on_tpu_or_interpreted(call, prepared_queries(q, u), k, v)
 
 
 def _call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units,
-          chunk: int, q: Array, k: Array, v: Array, *, interpret: bool
+          chunk: int, split: int | None, q: Array, k: Array, v: Array, *, interpret: bool
           ) -> tuple[Array, Array, Array]:
     b, h, g, seq_q, d = q.shape
     seq_k, dv = k.shape[2], v.shape[-1]
@@ -85,10 +87,10 @@ def _call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units,
     outputs = [((b, h, g, seq_q, dv), q.dtype), ((b, h, g, seq_q, LANES), stat),
                ((b, h, g, seq_q, LANES), stat)]
     rows = g * bq
-    scratch = [pltpu.VMEM((rows, LANES), stat), pltpu.VMEM((rows, LANES), stat),
-               pltpu.VMEM((rows, dv), stat)]
+    scratch = [pltpu.VMEM((g, bq, LANES), stat), pltpu.VMEM((g, bq, LANES), stat),
+               pltpu.VMEM((g, bq, dv), stat)]
     kernel = functools.partial(_kernel, cfg=cfg, operands=operands, u=u, chunk=chunk,
-                               steps=steps)
+                               split=split, steps=steps)
     out, lse, max_score = planned_call(
         kernel, plan=plan, operands=operands, grid=(b, h, num_q, steps), in_specs=in_specs,
         out_specs=out_specs, outputs=outputs, scratch=scratch,
@@ -108,7 +110,7 @@ def _vmem_bytes(rows: int, bk: int, d: int, dv: int, dtype) -> int:
 
 
 def _kernel(kv_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: BlockOperands,
-            u: Units, chunk: int, steps: int):
+            u: Units, chunk: int, split: int | None, steps: int):
     tables, (q_ref, k_ref, v_ref), operand_refs, rest = split_refs(refs, operands, 3)
     o_ref, lse_ref, max_ref, m_scr, l_scr, acc_scr = rest
     bi, hi, i, s = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
@@ -122,13 +124,13 @@ def _kernel(kv_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: BlockOpe
     flag = flag_ref[i, s]
     kb = kv_block_ref[i, s]
     step = functools.partial(
-        _step, cfg=cfg, operands=operands, u=u, chunk=chunk, q_ref=q_ref, k_ref=k_ref,
-        v_ref=v_ref, operand_refs=operand_refs, tables=tables, bi=bi, hi=hi, qb=i, kb=kb,
-        m_scr=m_scr, l_scr=l_scr, acc_scr=acc_scr)
+        _step, cfg=cfg, operands=operands, u=u, chunk=chunk, split=split, q_ref=q_ref,
+        k_ref=k_ref, v_ref=v_ref, operand_refs=operand_refs, tables=tables, bi=bi, hi=hi,
+        qb=i, kb=kb, m_scr=m_scr, l_scr=l_scr, acc_scr=acc_scr)
     # 2: the block is whole by position (its data masks, if any, still apply);
     # 1: partial (needs the positional mask too); 0: no block at this step.
-    always_masked = operands.masks_data
-    if always_masked:
+    if operands.masks_data and split is None:
+        # One body: the data masks are evaluated anyway, the band is or-ed in at run time.
         pl.when(flag != 0)(functools.partial(step, positional=None, flag=flag))
     else:
         pl.when(flag == 2)(functools.partial(step, positional=False, flag=flag))
@@ -140,52 +142,86 @@ def _kernel(kv_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: BlockOpe
 
 
 def _step(*, positional: bool | None, flag, cfg: KernelConfig, operands: BlockOperands,
-          u: Units, chunk: int, q_ref, k_ref, v_ref, operand_refs, tables, bi, hi, qb, kb,
-          m_scr, l_scr, acc_scr):
+          u: Units, chunk: int, split: int | None, q_ref, k_ref, v_ref, operand_refs,
+          tables, bi, hi, qb, kb, m_scr, l_scr, acc_scr):
     """Take key block `kb` into the running state of query block `qb`, `chunk` keys at
     a time. `positional`: whether the causal/window/padding mask applies (None: decided
-    by `flag` at run time, when data masks apply anyway)."""
-    g, bq, d = q_ref.shape
+    by `flag` at run time, when data masks apply anyway). A partial block with `split`
+    is taken in tiles of `split` rows by `chunk` keys, each skipped, computed whole or
+    masked by where it lies against the band: the masked half of a diagonal block costs
+    nothing and only the tiles the band crosses pay for the mask."""
+    bq = q_ref.shape[1]
     bk = k_ref.shape[0]
-    rows = g * bq
-    stat = m_scr.dtype
     band: bool | Array = flag == 1 if positional is None else positional
-    q = q_ref[...].reshape(rows, d)
     bad_block = None
     if operands.checks_values:
         bad_block = operands.block_has_bad_keys(tables, bi, hi, kb, pl.num_programs(1),
                                                 cfg.padded_seq[1] // bk)
+    tile = functools.partial(
+        _tile, cfg=cfg, operands=operands, u=u, q_ref=q_ref, k_ref=k_ref, v_ref=v_ref,
+        operand_refs=operand_refs, tables=tables, bi=bi, q_block_start=qb * bq,
+        m_scr=m_scr, l_scr=l_scr, acc_scr=acc_scr, bad_block=bad_block)
     for c in range(bk // chunk):
         keys = pl.ds(c * chunk, chunk)
-        s, _ = logits(cfg, u, q, k_ref[keys, :], stat)  # (rows, chunk)
-        mask = operands.mask(cfg, operand_refs, tables, bi, qb * bq, kb * bk + c * chunk,
-                             (1, bq, chunk), band, keys=keys)
-        if mask is not None:
-            s = jnp.where(mask, s.reshape(g, bq, chunk), -jnp.inf).reshape(rows, chunk)
-        m_prev, l_prev = m_scr[...], l_scr[...]
-        m_next = jnp.maximum(m_prev, jnp.max(s, axis=-1, keepdims=True))  # (rows, LANES)
-        p = u.exp(s - lanes(m_next, chunk))
-        alpha = u.exp(m_prev - m_next)
-        l_scr[...] = alpha * l_prev + jnp.sum(p, axis=-1, keepdims=True)
-        m_scr[...] = m_next
-        _accumulate(operands, operand_refs, acc_scr, p, alpha, v_ref, keys, mask,
-                    bad_block, g, bq)
+        k_start = kb * bk + c * chunk
+        if positional is not True or split is None:
+            tile(r0=0, n=bq, keys=keys, k_start=k_start, band=band)
+            continue
+        for r0 in range(0, bq, split):
+            p_first = qb * bq + r0 + cfg.offset
+            k_last = jnp.minimum(k_start + chunk, cfg.seq_k) - 1
+            some, every = window_overlap(p_first, p_first + split - 1, k_start, k_last,
+                                         cfg.band_window, k_start < cfg.seq_k,
+                                         k_start + chunk <= cfg.seq_k)
+            sub = functools.partial(tile, r0=r0, n=split, keys=keys, k_start=k_start)
+            pl.when(some & every)(functools.partial(sub, band=False))
+            pl.when(some & jnp.logical_not(every))(functools.partial(sub, band=True))
 
 
-def _accumulate(operands, operand_refs, acc_scr, p, alpha, v_ref, keys, mask, bad_block,
-                g: int, bq: int) -> None:
-    """`acc = alpha * acc + p @ v`. A masked pair has weight 0, but 0 * NaN is NaN: in a
-    block holding a value row that is not finite (rare: a prefetched table says which),
-    such rows are zeroed for the product and the query rows that do attend one are
-    marked, as `_kernels.tile.attended_values` does."""
+def _tile(*, r0: int, n: int, keys, k_start, band: bool | Array, cfg: KernelConfig,
+          operands: BlockOperands, u: Units, q_ref, k_ref, v_ref, operand_refs, tables, bi,
+          q_block_start, m_scr, l_scr, acc_scr, bad_block) -> None:
+    """The online-softmax update of rows `[r0, r0 + n)` of every folded query head by
+    the `keys` slice of the key block (starting at key `k_start`)."""
+    g, bq, d = q_ref.shape
+    whole_rows = n == bq
+    rows = slice(None) if whole_rows else pl.ds(r0, n)
+    stat = m_scr.dtype
+    q = q_ref[:, rows, :].reshape(g * n, d)
+    s, _ = logits(cfg, u, q, k_ref[keys, :], stat)  # (g * n, chunk)
+    chunk = s.shape[-1]
+    mask = operands.mask(cfg, operand_refs, tables, bi, q_block_start + r0, k_start,
+                         (1, n, chunk), band, keys=keys,
+                         queries=None if whole_rows else rows)
+    if mask is not None:
+        s = jnp.where(mask, s.reshape(g, n, chunk), -jnp.inf).reshape(g * n, chunk)
+    m_prev = m_scr[:, rows, :].reshape(g * n, LANES)
+    l_prev = l_scr[:, rows, :].reshape(g * n, LANES)
+    m_next = jnp.maximum(m_prev, jnp.max(s, axis=-1, keepdims=True))  # (g * n, LANES)
+    p = u.exp(s - lanes(m_next, chunk))
+    alpha = u.exp(m_prev - m_next)
+    l_scr[:, rows, :] = (alpha * l_prev + jnp.sum(p, axis=-1, keepdims=True)).reshape(
+        g, n, LANES)
+    m_scr[:, rows, :] = m_next.reshape(g, n, LANES)
+    _accumulate(operands, operand_refs, acc_scr, rows, p, alpha, v_ref, keys, mask,
+                bad_block, g, n)
+
+
+def _accumulate(operands, operand_refs, acc_scr, rows, p, alpha, v_ref, keys, mask,
+                bad_block, g: int, n: int) -> None:
+    """`acc = alpha * acc + p @ v` on `rows` of the accumulator. A masked pair has weight
+    0, but 0 * NaN is NaN: in a block holding a value row that is not finite (rare: a
+    prefetched table says which), such rows are zeroed for the product and the query
+    rows that do attend one are marked, as `_kernels.tile.attended_values` does."""
     stat = acc_scr.dtype
+    dv = acc_scr.shape[-1]
 
     def update(v, reaches=None):
-        acc = lanes(alpha, acc_scr.shape[-1]) * acc_scr[...] + dot(p.astype(v.dtype), v, NN,
-                                                                    stat)
+        acc = acc_scr[:, rows, :].reshape(g * n, dv)
+        acc = lanes(alpha, dv) * acc + dot(p.astype(v.dtype), v, NN, stat)
         if reaches is not None:
             acc = jnp.where(reaches, jnp.asarray(jnp.nan, stat), acc)
-        acc_scr[...] = acc
+        acc_scr[:, rows, :] = acc.reshape(g, n, dv)
 
     if mask is None or bad_block is None:
         update(v_ref[keys, :])
@@ -201,14 +237,17 @@ def _accumulate(operands, operand_refs, acc_scr, p, alpha, v_ref, keys, mask, ba
         v = jnp.where(jnp.isfinite(v.astype(jnp.float32)), v, jnp.zeros((), v.dtype))
         bad = operands.bad_keys(operand_refs, keys=keys)
         reaches = jnp.any(mask & bad, axis=-1, keepdims=True)
-        update(v, jnp.broadcast_to(reaches, (g, bq, 1)).reshape(g * bq, 1))
+        update(v, jnp.broadcast_to(reaches, (g, n, 1)).reshape(g * n, 1))
 
 
 def _write_finish(u: Units, o_ref, lse_ref, max_ref, m_scr, l_scr, acc_scr):
     """`_semantics.softmax.finish` and `max_score` on the scratch, written out (the
     statistics in natural units)."""
-    m, total, acc = m_scr[...], l_scr[...], acc_scr[...]
-    dv = acc.shape[-1]
+    g, bq, dv = o_ref.shape
+    rows = g * bq  # (the scratch is `(g, bq, .)` here, `(rows, .)` in the tangent kernel)
+    m = m_scr[...].reshape(rows, LANES)
+    total = l_scr[...].reshape(rows, LANES)
+    acc = acc_scr[...].reshape(rows, dv)
     attended = total != 0  # NaN compares unequal: a NaN row stays NaN
     safe = jnp.where(attended, total, 1.0)
     out = jnp.where(lanes(attended, dv), acc * lanes(1.0 / safe, dv), 0.0)
@@ -216,7 +255,6 @@ def _write_finish(u: Units, o_ref, lse_ref, max_ref, m_scr, l_scr, acc_scr):
     out = jnp.where(nonfinite, jnp.asarray(jnp.nan, out.dtype), out)
     lse = jnp.where(attended, u.to_natural(m + u.log(safe)), -jnp.inf)
     top = jnp.where(total == 0, -jnp.inf, u.to_natural(m))
-    g, bq = o_ref.shape[:2]
     o_ref[...] = out.reshape(g, bq, dv).astype(o_ref.dtype)
     lse_ref[...] = lse.reshape(g, bq, LANES).astype(lse_ref.dtype)
     max_ref[...] = top.reshape(g, bq, LANES).astype(max_ref.dtype)

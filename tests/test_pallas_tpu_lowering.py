@@ -1,0 +1,82 @@
+"""The Pallas TPU kernels lower to Mosaic kernels, checked on any host:
+`jax.export(..., platforms=("tpu",))` runs the Pallas-to-Mosaic lowering a TPU runs,
+without one. (Not in the accelerator set: nothing here needs the chip, and on a TPU
+`tests/test_pallas_tpu.py` compiles the kernels for real.)
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from eqx_flash import flash_attention
+
+PALLAS = dict(kernels="pallas_tpu")
+BLOCKS = dict(block_q=64, block_k=128)
+
+
+def _loss(attention, q, k, v):
+    out, lse = attention(q, k, v)
+    return jnp.sum(out.astype(jnp.float32)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
+
+@pytest.mark.parametrize("dim", [64, 128, 256])
+def test_lowers_to_mosaic_kernels(dim):
+    """On any host, exporting for a TPU yields Mosaic kernels: the forward's, and the
+    backward's (fused) — at the default blocks, causal and not, bf16."""
+    q = jax.ShapeDtypeStruct((1, 4, 2048, dim), jnp.bfloat16)
+
+    def loss(q, k, v, causal):
+        out, lse = flash_attention(q, k, v, causal=causal, **PALLAS)
+        return jnp.sum(out.astype(jnp.float32)) + jnp.sum(lse)
+
+    for causal in (False, True):
+        fwd = jax.jit(lambda q, k, v, c=causal: flash_attention(q, k, v, causal=c, **PALLAS))
+        grad = jax.jit(jax.grad(functools.partial(loss, causal=causal), argnums=(0, 1, 2)))
+        for fn, kernels in ((fwd, 1), (grad, 2)):
+            exported = jax.export.export(fn, platforms=("tpu",))(q, q, q)
+            text = exported.mlir_module()
+            assert text.count("tpu_custom_call") == kernels, (dim, causal, kernels)
+
+
+@pytest.mark.parametrize("blocks", [BLOCKS, {}], ids=["blocks 64x128", "default blocks"])
+def test_the_shapes_tested_here_lower_to_mosaic_kernels(blocks):
+    """Mosaic takes a block only in whole (8, 128) tiles or whole trailing dimensions, a
+    rule the interpreter does not check: the small, odd shapes of this file (lengths
+    that are no block multiple, a 64-row query block, GQA, every mask), exported for a
+    TPU on any host, forward, gradients and jvp."""
+    q = jax.ShapeDtypeStruct((2, 4, 160, 32), jnp.float32)
+    kv = jax.ShapeDtypeStruct((2, 2, 300, 32), jnp.float32)
+    ids = (jnp.zeros((2, 160), jnp.int32), jnp.zeros((2, 300), jnp.int32))
+    masks = {
+        "causal softcap": dict(causal=True, softcap=2.0),
+        "key mask": dict(mask=jnp.ones((2, 300), bool), causal=True),
+        "segment ids": dict(q_segment_ids=ids[0], kv_segment_ids=ids[1]),
+        "lengths": dict(q_lengths=jnp.array([160, 40]), kv_lengths=jnp.array([300, 10])),
+        "positions": dict(q_positions=ids[0], kv_positions=ids[1], window=(40, 0)),
+    }
+    for name, options in masks.items():
+        flash = functools.partial(flash_attention, **options, **PALLAS, **blocks)
+
+        def grad(q, k, v, flash=flash):
+            return jax.grad(lambda q, k, v: _loss(flash, q, k, v), argnums=(0, 1, 2))(q, k, v)
+
+        def jvp(q, k, v, flash=flash):
+            return jax.jvp(lambda q: flash(q, k, v)[0], (q,), (q,))
+
+        for fn in (grad, jvp):
+            exported = jax.export.export(jax.jit(fn), platforms=("tpu",))(q, kv, kv)
+            assert "tpu_custom_call" in exported.mlir_module(), (name, fn.__name__)
+
+
+def test_row_tiles_of_partial_blocks_lower_to_mosaic_kernels():
+    """The forward's tiles of a partial block (rows sliced out of the `(g, rows, .)`
+    scratch; `Tuning.partial_rows`) with GQA and a key mask, exported for a TPU."""
+    q = jax.ShapeDtypeStruct((1, 4, 1100, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 2, 1200, 128), jnp.bfloat16)
+    mask = jnp.arange(1200) % 7 != 3
+    fwd = jax.jit(functools.partial(flash_attention, causal=True, mask=mask, block_q=1024,
+                                    block_k=256, **PALLAS))
+    exported = jax.export.export(fwd, platforms=("tpu",))(q, kv, kv)
+    assert exported.mlir_module().count("tpu_custom_call") == 1
