@@ -19,6 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from hypothesis import settings
 
 try:  # the float64 context manager: `jax.enable_x64` on new jax,
     from jax import enable_x64 as enable_x64
@@ -260,3 +261,14 @@ def run_block(code: str, name: str) -> None:
     """Run a documentation block as a user would: fresh globals, JAX's default settings."""
     with jax.numpy_rank_promotion("allow"), jax.numpy_dtype_promotion("standard"):
         exec(compile(code, name, "exec"), {})
+
+
+# The example counts below are written for the `ci` profile's 15 examples per property.
+_CI_EXAMPLES = 15
+
+
+def examples(n: int) -> settings:
+    """`n` examples at the `ci` profile's scale, scaled with the loaded profile (`ci`: 8
+    of 15; `dev`: 200 of 15), at least 2; no deadline."""
+    scaled = round(n * settings().max_examples / _CI_EXAMPLES)
+    return settings(max_examples=max(2, scaled), deadline=None)

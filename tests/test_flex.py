@@ -10,8 +10,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, seeded_linear_loss, seeded_normal, seeded_qkv, values_and_grads
-from hypothesis import given, settings
+from helpers import (
+    assert_close,
+    examples,
+    seeded_linear_loss,
+    seeded_normal,
+    seeded_qkv,
+    values_and_grads,
+)
+from hypothesis import given
 
 import eqx_flash
 from eqx_flash import (
@@ -591,7 +598,7 @@ def test_gradient_of_vmapped_bias_and_score_mod():
 # --- property test ------------------------------------------------------------------------------
 
 
-@settings(max_examples=10)
+@examples(10)
 @given(inputs=attention_inputs(score_mod=True, mask_mod=None, dtypes=(jnp.float32,),
                                max_seq=64))
 def test_property_score_and_mask_mods(inputs):

@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close
-from hypothesis import given, settings
+from helpers import assert_close, examples
+from hypothesis import given
 
 import eqx_flash
 from eqx_flash import (
@@ -75,7 +75,7 @@ def test_mqa_and_no_leading_axes():
 
 @given(attention_inputs(dtypes=(jnp.float32,), max_seq=64, dims=(8,),
                         batch_shapes=((), (2,)), block_sizes=(16, None)))
-@settings(max_examples=6)
+@examples(6)
 def test_jvp_property(inputs):
     check_attention(flash_attention, inputs, grads=False, jvp=True)
 

@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import seeded_normal, seeded_qkv
-from hypothesis import given, settings
+from helpers import examples, seeded_normal, seeded_qkv
+from hypothesis import given
 
 from eqx_flash import (
     RelativePositionBias,
@@ -236,7 +236,7 @@ def test_scm_pattern_with_a_learned_position_bias():
 
 @given(attention_inputs(bias=None, alibi=None, score_mod=None, mask_mod=None,
                         dtypes=(jnp.float32,), max_seq=48, dims=(8,)))
-@settings(max_examples=3)
+@examples(3)
 def test_jvp_property(inputs):
     """Over the strategy, with every other feature drawn too: `check_attention(jvp=True)`
     perturbs the bias, the slopes and the score_mod's arrays along with q, k, v."""

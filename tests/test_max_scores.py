@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, assert_lse_close, enable_x64, oracle_attention, qkv
-from hypothesis import given, settings
+from helpers import assert_close, assert_lse_close, enable_x64, examples, oracle_attention, qkv
+from hypothesis import given
 
 import eqx_flash
 from eqx_flash.testing import attention_inputs
@@ -187,7 +187,7 @@ def test_ring_on_one_device():
     _assert_max_close(top, _oracle_max(q, k, causal=True))
 
 
-@settings(max_examples=20, deadline=None)
+@examples(20)
 @given(attention_inputs(dtypes=[jnp.float32], max_seq=64, lengths=None))
 def test_property_kernels_agree_with_the_reference(inputs):
     """Over the strategy's masks, causal settings, score terms, softcap, dropout and block
@@ -212,7 +212,7 @@ def test_bad_flag_is_refused_naming_it():
     assert isinstance(eqx.filter_eval_shape(lambda: layer(q, k, v)), jax.ShapeDtypeStruct)
 
 
-@settings(max_examples=5, deadline=None)
+@examples(5)
 @given(attention_inputs(dtypes=[jnp.float32], max_seq=32, lengths=None))
 def test_check_attention_compares_max_scores_when_asked(inputs):
     from eqx_flash.testing import check_attention

@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, assert_lse_close, seeded_qkv
-from hypothesis import given, settings
+from helpers import assert_close, assert_lse_close, examples, seeded_qkv
+from hypothesis import given
 from hypothesis import strategies as st
 
 import eqx_flash
@@ -67,7 +67,7 @@ def _draw_position(draw, shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(draw(st.integers(0, n - 1)) for n in shape)
 
 
-@settings(max_examples=25, deadline=None)
+@examples(25)
 @given(attention_inputs(dtypes=[jnp.float32], max_seq=64, lengths=None),
        st.sampled_from(["q", "k", "v"]), st.data())
 def test_property_a_nan_reaches_exactly_the_rows_that_attend_it(inputs, where, data):
@@ -88,7 +88,7 @@ def test_property_a_nan_reaches_exactly_the_rows_that_attend_it(inputs, where, d
         _assert_only_rows_nan(out, lse, ref, nan_rows, lse_nan=where != "v")
 
 
-@settings(max_examples=12, deadline=None)
+@examples(12)
 @given(attention_inputs(dtypes=[jnp.float32], max_seq=64, lengths=None), st.data())
 def test_property_a_nan_value_reaches_the_derivatives_the_reference_does(inputs, data):
     """A NaN value row: the gradients (the backward kernel) are NaN exactly where
@@ -122,7 +122,7 @@ def test_property_a_nan_value_reaches_the_derivatives_the_reference_does(inputs,
         np.testing.assert_array_equal(np.isnan(np.asarray(t)).any(-1), nan_rows, name)
 
 
-@settings(max_examples=15, deadline=None)
+@examples(15)
 @given(attention_inputs(dtypes=[jnp.float32], max_seq=64, lengths=None, softcap=None),
        st.sampled_from(["q", "k", "v"]), st.sampled_from([np.inf, -np.inf]), st.data())
 def test_property_infinities_give_the_references_nan_pattern(inputs, where, value, data):
@@ -215,7 +215,7 @@ def test_ring_on_one_device_and_the_module():
         np.testing.assert_array_equal(np.isnan(np.asarray(out)).any(-1), expected)
 
 
-@settings(max_examples=20, deadline=None)
+@examples(20)
 @given(attention_inputs(dtypes=[jnp.float32], max_seq=64, lengths=True),
        st.sampled_from([np.nan, np.inf, -np.inf]))
 def test_property_padding_reaches_nothing(inputs, value):

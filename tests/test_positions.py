@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, assert_lse_close, enable_x64, oracle_attention, qkv
-from hypothesis import given, settings
+from helpers import assert_close, assert_lse_close, enable_x64, examples, oracle_attention, qkv
+from hypothesis import given
 
 import eqx_flash
 from eqx_flash._core.config import KernelConfig
@@ -277,7 +277,7 @@ def test_positions_check_through_every_derivative():
     check_attention(eqx_flash.flash_attention, inputs, jvp=True, second_order=True)
 
 
-@settings(max_examples=25, deadline=None)
+@examples(25)
 @given(attention_inputs(positions=True, dtypes=[jnp.float32], alibi=None, lengths=None,
                         sinks=None, segment_ids=None))
 def test_property_against_the_reference(inputs):

@@ -51,6 +51,18 @@ def multidevice(check: str) -> dict:
     return record
 
 
+def _parts(result: dict, case: str) -> tuple[str, ...]:
+    """What a check compared for `case`: values, gradients, jvp, and an HVP on the cases
+    `multidevice_checks.SECOND_ORDER` names (second order costs the most to compile)."""
+    return ("values", "grads", "jvp") + (("hvp",) if f"{case}_hvp" in result else ())
+
+
+def _assert_second_order_compared(result: dict, cases: int = 2) -> None:
+    """At least `cases` cases of a check compared an HVP (so second order never drops
+    out of a check unnoticed)."""
+    assert sum(name.endswith("_hvp") for name in result) >= cases, sorted(result)
+
+
 RING_CHECKS = [
     "ring_full",
     "ring_causal_cross",
@@ -113,14 +125,16 @@ def test_ring_forward_mode_matches_single_device():
 @pytest.mark.multidevice
 def test_all_gather_matches_single_device():
     """strategy="all_gather" (zigzag causal with every option, a window, full attention
-    with seq_q != seq_k; batch and heads sharded too): values, gradients, jvp and HVP
-    equal single-device flash_attention; the program all-gathers k and v."""
+    with seq_q != seq_k; batch and heads sharded too): values, gradients and jvp (an
+    HVP on two cases) equal single-device flash_attention; the program all-gathers k
+    and v."""
     result = multidevice("all_gather")
     for case in ("causal_everything", "window", "full_cross", "batch_axis", "head_axis",
                  "two_batch_axes"):
-        for part in ("values", "grads", "jvp", "hvp"):
+        for part in _parts(result, case):
             assert result[f"{case}_{part}"] < TOL, (case, part, result)
         assert result[f"{case}_all_gather"] >= 2, (case, result)
+    _assert_second_order_compared(result)
 
 
 @pytest.mark.multidevice
@@ -128,20 +142,21 @@ def test_positions_match_single_device():
     """q_positions/kv_positions (#23) on 4 devices: packed documents with restarting
     positions (causal and ALiBi on them) through the ring in each layout, Ulysses and
     all_gather, and a causal window on a chunk at an offset with lengths: values,
-    gradients, jvp (and HVP off the ring) equal single-device flash_attention."""
+    gradients, jvp (an HVP on two cases) equal single-device flash_attention."""
     result = multidevice("positions")
     cases = [f"ring_{layout}" for layout in ("contiguous", "zigzag", "striped")]
     cases += ["ulysses", "all_gather", "ring_offset_lengths", "all_gather_offset_lengths",
               "ulysses_offset_lengths"]
     for case in cases:
-        parts = ("values", "grads", "jvp") + (() if case.startswith("ring") else ("hvp",))
-        for part in parts:
+        for part in _parts(result, case):
             assert result[f"{case}_{part}"] < TOL, (case, part, result)
+    _assert_second_order_compared(result)
 
 
 @pytest.mark.multidevice
 def test_ulysses_matches_single_device():
-    """strategy="ulysses" with every option: values, gradients, jvp and HVP equal
+    """strategy="ulysses" with every option: values, gradients, jvp (an HVP on two
+    cases) equal
     single-device flash_attention (GQA split, repeated, MQA; batch and heads axes, two
     batch axes); three all-to-alls in and two out; head counts that do not split are
     ValueErrors."""
@@ -149,9 +164,10 @@ def test_ulysses_matches_single_device():
     cases = ("gqa_divisible", "gqa_repeated", "mqa", "batch_axis", "head_axis",
              "two_batch_axes")
     for case in cases:
-        for part in ("values", "grads", "jvp", "hvp"):
+        for part in _parts(result, case):
             assert result[f"{case}_{part}"] < TOL, (case, part, result)
         assert result[f"{case}_all_to_all"] >= 5, (case, result)
+    _assert_second_order_compared(result)
     assert "heads=6, kv_heads=6, seq axis size 4" in result["error_heads"], result
     assert "heads=12, kv_heads=3, 4 devices" in result["error_kv_heads"], result
 

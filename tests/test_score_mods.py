@@ -5,8 +5,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, seeded_normal, seeded_qkv, values_and_grads
-from hypothesis import given, settings
+from helpers import assert_close, examples, seeded_normal, seeded_qkv, values_and_grads
+from hypothesis import given
 
 from eqx_flash import causal_flash_attention, flash_attention, plain_attention
 from eqx_flash.testing import TOLERANCES, attention_inputs, check_attention
@@ -188,7 +188,7 @@ def test_errors_name_the_argument(kwargs, match, fn):
         fn(q, k, v, **kwargs)
 
 
-@settings(max_examples=10)
+@examples(10)
 @given(inputs=attention_inputs(bias=None, alibi=None, dtypes=(jnp.float32,), max_seq=64))
 def test_property_bias_and_alibi(inputs):
     """Values, lse and gradients (q, k, v, bias, slopes) against `plain_attention` over the

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import enable_x64, oracle_attention
-from hypothesis import given, settings
+from helpers import enable_x64, examples, oracle_attention
+from hypothesis import given
 
 from eqx_flash import (
     FlashAttention,
@@ -243,7 +243,7 @@ def test_score_mod_arrays_get_second_derivatives():
 @given(attention_inputs(dtypes=(jnp.float32,), max_seq=32, dims=(4, 8),
                         batch_shapes=((), (2,)), block_sizes=(8, None), bias=None,
                         alibi=None, sinks=None, lengths=None))
-@settings(max_examples=6, deadline=None)
+@examples(6)
 def test_second_order_property(inputs):
     check_attention(flash_attention, inputs, grads=False, second_order=True)
 

@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, assert_lse_close, enable_x64, oracle_attention, qkv
-from hypothesis import given, settings
+from helpers import assert_close, assert_lse_close, enable_x64, examples, oracle_attention, qkv
+from hypothesis import given
 
 import eqx_flash
 from eqx_flash.testing import attention_inputs, check_attention
@@ -175,7 +175,7 @@ def test_from_eqx_with_sinks_starts_at_zero():
     np.testing.assert_array_equal(np.asarray(flash.sinks), 0.0)
 
 
-@settings(max_examples=15, deadline=None)
+@examples(15)
 @given(attention_inputs(sinks=True, alibi=None, bias=None, lengths=None, max_seq=64))
 def test_property_flash_against_plain_with_sinks(inputs):
     check_attention(eqx_flash.flash_attention, inputs, jvp=True)

@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, seeded_normal
-from hypothesis import given, settings
+from helpers import assert_close, examples, seeded_normal
+from hypothesis import given
 from hypothesis import strategies as st
 
 from eqx_flash import flash_attention, plain_attention
@@ -140,7 +140,7 @@ def test_per_example_operand_under_two_vmaps_and_vjp(name):
 _axes = st.sampled_from([(0, 0), (0, None), (None, 0), (None, None)])
 
 
-@settings(max_examples=12)
+@examples(12)
 @given(transform=st.sampled_from(TRANSFORMS), name=st.sampled_from(list(OPERANDS)),
        axes=st.tuples(_axes, _axes, _axes, _axes))
 def test_property_every_transform_over_two_vmaps(transform, name, axes):
