@@ -59,10 +59,10 @@ class Tuning:
         chunk = None if banded and not self.chunk_banded_backward else self.chunk
         return _slice(chunk, cfg.block_q)
 
-
     def partial_split(self, block_q: int) -> int | None:
-        rows = self.partial_rows
-        return None if rows is None or rows >= block_q or block_q % rows else rows
+        """The rows per tile of a partial block (None: the block is one tile)."""
+        rows = _slice(self.partial_rows, block_q)
+        return None if rows == block_q else rows
 
 
 def _slice(chunk: int | None, block: int) -> int:

@@ -167,9 +167,9 @@ def _step(*, positional: bool | None, flag, cfg: KernelConfig, operands: BlockOp
         if positional is not True or split is None:
             tile(r0=0, n=bq, keys=keys, k_start=k_start, band=band)
             continue
+        k_last = jnp.minimum(k_start + chunk, cfg.seq_k) - 1
         for r0 in range(0, bq, split):
             p_first = qb * bq + r0 + cfg.offset
-            k_last = jnp.minimum(k_start + chunk, cfg.seq_k) - 1
             some, every = window_overlap(p_first, p_first + split - 1, k_start, k_last,
                                          cfg.band_window, k_start < cfg.seq_k,
                                          k_start + chunk <= cfg.seq_k)
