@@ -2,7 +2,8 @@
 
     python benchmarks/bench_device.py [--preset quick|full|sweep] [--seqs 1024 4096 ...]
         [--modes fwd fwd+bwd jvp] [--causal both|yes|no] [--configs h16d128 h16d64 gqa32-8]
-        [--impls SUBSTRING ...] [--rounds 5] [--blocks 512 1024 2048] [--time-budget S]
+        [--impls SUBSTRING ...] [--features alibi] [--rounds 5] [--blocks 512 1024 2048]
+        [--time-budget S]
         [--json out.json] [--markdown out.md] [--plot out.png]
     python benchmarks/bench_device.py --replot out.json [--plot out.png]   # no device needed
     python benchmarks/bench_device.py --sweep-xla-blocks [--sweep-blocks 256 512 1024 2048]
@@ -14,7 +15,9 @@ q, k, v) and jvp (tangents along q, k, v). Implementations (`--impls` keeps thos
 name contains one of the given substrings):
 
 - `eqx_flash`: `eqx_flash.flash_attention` at its default kernels and blocks; if it takes
-  `kernels=`, one more row per kernel family (`eqx_flash[xla]`, ...).
+  `kernels=`, one more row per kernel family (`eqx_flash[xla]`, ...); with `--features`,
+  one more per family and feature (`eqx_flash[pallas_tpu]+alibi`: ALiBi's standard
+  slopes, constants), for what the feature costs.
 - `pallas flash bN`: `jax.experimental.pallas.ops.tpu.flash_attention` with every block
   size N of `--blocks` (k and v repeated to the query heads for GQA: it has none).
 - `splash bN`: `splash_attention.make_splash_mha` (a `CausalMask` or `FullMask` per head,
@@ -160,13 +163,24 @@ class Impl:
     blocks: tuple[int | None, ...] = (None,)
 
 
-def _eqx(family: str | None = None, block_q: int | None = None, block_k: int | None = None):
+# Options `--features` adds as rows of their own (`eqx_flash[family]+name`), to measure
+# what each costs against the same kernels without it: keyword arguments of
+# `flash_attention` for a config (its constants; their derivatives are not taken).
+FEATURES: dict[str, Callable[[Config], dict[str, Any]]] = {
+    "alibi": lambda config: {"alibi_slopes": 2.0 ** (-8.0 * jnp.arange(1, config.heads + 1)
+                                                     / config.heads)},
+}
+
+
+def _eqx(family: str | None = None, block_q: int | None = None, block_k: int | None = None,
+         feature: str | None = None):
     extra = {} if family is None else {"kernels": family}
     if block_q is not None:
         extra.update(block_q=block_q, block_k=block_k)
 
     def make(config, seq, causal, block):
-        return lambda q, k, v: eqx_flash.flash_attention(q, k, v, causal=causal, **extra)[0]
+        options = dict(extra, **(FEATURES[feature](config) if feature else {}))
+        return lambda q, k, v: eqx_flash.flash_attention(q, k, v, causal=causal, **options)[0]
 
     return make
 
@@ -221,10 +235,13 @@ def _tokamax(config, seq, causal, block):
     return lambda q, k, v: tokamax.dot_product_attention(q, k, v, is_causal=causal)
 
 
-def implementations(blocks: list[int], families: list[str]) -> tuple[list[Impl], list[str]]:
+def implementations(blocks: list[int], families: list[str], features: Iterable[str] = ()
+                    ) -> tuple[list[Impl], list[str]]:
     """The rows available on this backend, and a line for each one skipped and why."""
     found = [Impl("eqx_flash", "bhsd", _eqx())]
     found += [Impl(f"eqx_flash[{f}]", "bhsd", _eqx(f)) for f in families]
+    found += [Impl(f"eqx_flash[{f}]+{name}", "bhsd", _eqx(f, feature=name))
+              for name in features for f in families]
     skipped = []
     if jax.default_backend() == "tpu":
         found.append(Impl("pallas flash", "bhsd", _pallas_flash, tuple(blocks)))
@@ -361,7 +378,7 @@ def run(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
     dtype = jnp.dtype(args.dtype)
     causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     families = kernel_families(args.families)
-    impls, notes = implementations(args.blocks, families)
+    impls, notes = implementations(args.blocks, families, args.features)
     family = "xla" if "xla" in families else None  # the sweep's kernels
     label = "eqx_flash" if family is None else "eqx_flash[xla]"
     if args.sweep_xla_blocks:
@@ -638,6 +655,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--families", nargs="+", default=list(DEFAULT_FAMILIES),
                    help="eqx_flash kernel families to row, if flash_attention takes kernels= "
                         "without listing them")
+    p.add_argument("--features", nargs="+", default=[], choices=sorted(FEATURES),
+                   help="eqx_flash rows with these options too (their cost)")
     p.add_argument("--sweep-xla-blocks", action="store_true", default=None,
                    help="time eqx_flash's XLA kernels at explicit block pairs instead")
     p.add_argument("--sweep-blocks", nargs="+", type=int, help="block sizes of the sweep")

@@ -92,9 +92,12 @@ def _features() -> dict[str, dict]:
             "q_positions": jnp.arange(128, 128 + SEQ_Q)[None].repeat(BATCH, axis=0),
             "kv_positions": jnp.arange(SEQ_K)[None].repeat(BATCH, axis=0), "causal": True},
         "softcap, scale": {"softcap": 5.0, "scale": 0.3},
-        "bias, ALiBi": {
-            "bias": jnp.asarray(rng.standard_normal((HEADS, SEQ_Q, SEQ_K)), jnp.float32),
-            "alibi_slopes": jnp.asarray(2.0 ** -np.arange(1.0, HEADS + 1), jnp.float32)},
+        "bias": {
+            "bias": jnp.asarray(rng.standard_normal((HEADS, SEQ_Q, SEQ_K)), jnp.float32)},
+        "ALiBi per sequence, causal": {  # slopes (batch, heads)
+            "alibi_slopes": jnp.asarray(2.0 ** -np.arange(1.0, HEADS + 1)
+                                        * np.array([[1.0], [0.5]]), jnp.float32),
+            "causal": True},
         "sinks": {"sinks": jnp.asarray([-1.0, 0.0, 1.0, 2.0], jnp.float32), "causal": True},
         "dropout": {"dropout_rate": 0.1, "key": jax.random.key(7)},
         "score_mod, mask_mod, block_mask": {
@@ -141,9 +144,10 @@ def test_feature_values_and_grads(family, feature):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_jvp_through_options(family):
-    options = {**FEATURES["lengths, causal"], "softcap": 5.0}
-    if family != "pallas_tpu":  # (the Pallas kernels take no score terms yet)
-        options.update(FEATURES["bias, ALiBi"])
+    options = {**FEATURES["lengths, causal"], "softcap": 5.0,
+               **FEATURES["ALiBi per sequence, causal"]}
+    if family != "pallas_tpu":  # (the Pallas kernels take no bias yet)
+        options.update(FEATURES["bias"])
     check_attention(flash(family), problem(**options), grads=False, jvp=True)
 
 

@@ -128,6 +128,19 @@ def test_one_row_per_kernel_family_once_flash_attention_takes_kernels(bench, mon
     assert seen == [None, "xla", "pallas_tpu"]
 
 
+def test_a_feature_row_is_the_family_with_that_option(bench):
+    """`--features alibi`: one more row per family, the same call with ALiBi's slopes."""
+    impls, _ = bench.implementations([512], ["xla"], ["alibi"])
+    row = next(i for i in impls if i.label == "eqx_flash[xla]+alibi")
+    config = bench.parse_config("h2d16")
+    q, k, v = (jax.random.normal(jax.random.key(n), (1, 2, 32, 16)) for n in range(3))
+    slopes = 2.0 ** (-8.0 * jnp.arange(1, 3) / 2)
+    got = row.make(config, 32, True, None)(q, k, v)
+    want = eqx_flash.plain_attention(q, k, v, causal=True, alibi_slopes=slopes)[0]
+    assert jnp.allclose(got, want, atol=1e-5)
+    assert not jnp.allclose(got, eqx_flash.plain_attention(q, k, v, causal=True)[0], atol=1e-3)
+
+
 def test_tpu_peers_wiring_in_interpret_mode(bench):
     """Pallas flash (k, v repeated for GQA) and splash (q pre-scaled, vmapped over the
     batch) compute plain attention: run by Pallas' TPU interpreter on CPU."""

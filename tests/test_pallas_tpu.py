@@ -97,6 +97,50 @@ def test_blocks_the_band_crosses_in_row_tiles(options):
     assert_lse_close(lse, ref_lse, jnp.float32)
 
 
+ALIBI = {
+    "per head, GQA": dict(slopes=(4,)),
+    "per sequence, causal softcap": dict(slopes=(2, 4), causal=True, softcap=3.0),
+    "positions, window": dict(slopes=(4,), window=(60, 0), positions=True),
+}
+
+
+@pytest.mark.parametrize("name", list(ALIBI))
+def test_alibi_against_reference(name):
+    """ALiBi computed in the kernels from the tile's indices (or the given positions):
+    values, lse, the gradients of q, k, v and of the slopes, and a jvp along q and the
+    slopes, against `plain_attention` (GQA 4/2; 200 queries on 300 keys)."""
+    case = dict(ALIBI[name])
+    shape, positions = case.pop("slopes"), case.pop("positions", False)
+    q, k, v = qkv(12, (2, 4, 200, 32), (2, 2, 300, 32))
+    slopes = jnp.linspace(0.05, 0.6, int(np.prod(shape))).reshape(shape)
+    if positions:  # a chunk of queries after 100 cached keys, in two packed rows
+        case.update(q_positions=jnp.tile(jnp.arange(100, 300)[None], (2, 1)),
+                    kv_positions=jnp.tile(jnp.arange(300)[None], (2, 1)))
+    pallas = functools.partial(flash_attention, **case, **PALLAS, **BLOCKS)
+    reference = functools.partial(plain_attention, **case)
+    out, lse = jax.jit(lambda s: pallas(q, k, v, alibi_slopes=s))(slopes)
+    ref_out, ref_lse = jax.jit(lambda s: reference(q, k, v, alibi_slopes=s))(slopes)
+    assert_close(out, ref_out, name="out")
+    assert_lse_close(lse, ref_lse, jnp.float32)
+
+    def grads(attention):
+        return jax.jit(jax.grad(lambda q, k, v, s: _loss(attention, q, k, v, alibi_slopes=s),
+                                argnums=(0, 1, 2, 3)))(q, k, v, slopes)
+
+    for label, a, b in zip(("dq", "dk", "dv", "d_slopes"), grads(pallas), grads(reference),
+                           strict=True):
+        assert_close(a, b, kind="grad", name=label)
+
+    def jvp(attention):
+        return jax.jit(lambda q, s: jax.jvp(lambda q, s: attention(q, k, v, alibi_slopes=s),
+                                            (q, s), (jnp.cos(q), 0.3 * s))[1])(q, slopes)
+
+    (t_out, t_lse), (r_out, r_lse) = jvp(pallas), jvp(reference)
+    assert_close(t_out, r_out, kind="grad", name="jvp out")
+    assert_close(jnp.where(jnp.isfinite(lse), t_lse, 0.0),
+                 jnp.where(jnp.isfinite(lse), r_lse, 0.0), kind="grad", name="jvp lse")
+
+
 def test_empty_rows_and_nonfinite_values():
     """Rows that attend nothing give 0, -inf and zero gradients; a NaN value reaches
     exactly the rows that attend it (causal: the later ones), in values and gradients."""
@@ -202,11 +246,12 @@ def test_inside_a_users_shard_map():
                               out_specs=(spec, spec))
     _compare_on(lambda q, k, v: attention(q, k, v, ids), q, k, v, **options)
     seq = P(None, None, "x")
+    slopes = jnp.array([0.3, 0.1])  # ALiBi at the ring's global indices
     ring = jax.shard_map(
         lambda q, k, v: eqx_flash.ring_flash_attention(q, k, v, axis_name="x", causal=True,
-                                                       **PALLAS),
+                                                       alibi_slopes=slopes, **PALLAS),
         mesh=mesh, in_specs=(seq,) * 3, out_specs=(seq, seq))
-    _compare_on(ring, q, k, v, causal=True)
+    _compare_on(ring, q, k, v, causal=True, alibi_slopes=slopes)
 
 
 def _compare_on(attention, q, k, v, **options):

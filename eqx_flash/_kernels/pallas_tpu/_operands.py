@@ -9,7 +9,9 @@ as rows, `(bk, bq)` per query head (`transposed`). An array of the row side is l
 sublanes; `lane_blocks`), slicing to a row `(.., 1, cols)` — as splash attention lays out
 segment ids, but cut into whole blocks, so that a block narrower than 128 lanes (the
 query blocks of the dk/dv kernel) is still a whole array's last dimension. Lengths
-are scalars in SMEM, as is which key blocks hold a value that is not finite.
+are scalars in SMEM, as is which key blocks hold a value that is not finite, and so are
+ALiBi's slopes (as the coefficient each query head's distance is multiplied by): its
+distance is computed in the kernel from the tile's indices or positions, no bias array.
 
 The predicates are `_semantics.masking`'s own, evaluated on these block values, so the
 Pallas kernels, the XLA kernels and the reference agree on what attends.
@@ -28,6 +30,7 @@ from ..._core.config import KernelConfig
 from ..._core.operands import Operands
 from ..._core.options import Window
 from ..._semantics.masking import length_mask, positional_mask, within_window
+from ..._semantics.score_terms import alibi_distance
 
 LANES, SUBLANES = 128, 8
 
@@ -60,6 +63,15 @@ class BlockOperands:
     has_lengths: bool
     has_positions: bool  # positions with a window: they mask
     masks_data: bool  # a mask known only at run time applies to every block
+    # Where ALiBi's distances come from (None: no ALiBi): "indices" (the tile's own, with
+    # `cfg.score_offset`), "global" (`q_index`/`kv_index`, the ring's, with it too) or
+    # "positions" (`q_positions`/`kv_positions`, absolute).
+    alibi: str | None = None
+    # With "indices": every index is exact in float32 (the distance is taken there: no
+    # conversion per pair), and whether every attended key is at or before its query's
+    # aligned position (causal: the distance is `p - j`, no absolute value per pair).
+    alibi_float: bool = False
+    alibi_one_sided: bool = False
 
     def block_specs(self, block_q: int, block_k: int) -> list[pl.BlockSpec]:
         """BlockSpecs for a grid `(batch, kv head, outer block, step)` whose first scalar
@@ -89,6 +101,49 @@ class BlockOperands:
         return {side.name: self._value(side, ref, group, keys, queries)
                 for side, ref in zip(self.sides, refs, strict=True)}
 
+    def _coordinates(self, tile: tuple[int, ...], q_start: Array, k_start: Array
+                     ) -> tuple[Array, Array]:
+        """The tile's query and key indices as a column and a row that broadcast (a
+        compare per pair, not an iota and an add per pair)."""
+        q_axis, k_axis = (len(tile) - 1, len(tile) - 2) if self.transposed else (
+            len(tile) - 2, len(tile) - 1)
+        q_pos = q_start + jax.lax.broadcasted_iota(
+            jnp.int32, tuple(n if a == q_axis else 1 for a, n in enumerate(tile)), q_axis)
+        k_pos = k_start + jax.lax.broadcasted_iota(
+            jnp.int32, tuple(n if a == k_axis else 1 for a, n in enumerate(tile)), k_axis)
+        return q_pos, k_pos
+
+    def alibi_distance(self, cfg: KernelConfig, refs: Sequence[Any], q_start: Array,
+                       k_start: Array, tile: tuple[int, ...], group: int | None = None,
+                       keys: Any = None, queries: Any = None) -> Array:
+        """ALiBi's distance on the tile (float32, broadcastable to it), as
+        `_semantics.score_terms.alibi_positions` places it: `mask`'s arguments."""
+        if self.alibi == "positions":
+            values = self._values(refs, group, keys, queries)
+            i, j = values["q_positions"], values["kv_positions"]
+            # `alibi_distance` without offset, exact past int32 through uint32; Mosaic
+            # converts only signed integers to floats, so the wrapped ones are moved up.
+            d = jnp.where(i >= j, i - j, j - i).astype(jnp.float32)
+            return jnp.where(d < 0, d + jnp.float32(2.0**32), d)
+        if self.alibi == "global":
+            values = self._values(refs, group, keys, queries)
+            i, j = values["q_index"], values["kv_index"]
+        else:
+            i, j = self._coordinates(tile, q_start, k_start)
+            if self.alibi_float:  # `alibi_distance`, in float32 (exact: see the field)
+                d = (i + cfg.score_offset).astype(jnp.float32) - j.astype(jnp.float32)
+                return d if self.alibi_one_sided else jnp.abs(d)
+        return alibi_distance(i, j, cfg.score_offset).astype(jnp.float32)
+
+    def alibi_coefficients(self, tables: Sequence[Any], bi: Array, hi: Array,
+                           heads: int | Array, groups: int, name: str = "alibi"
+                           ) -> list[Array]:
+        """The coefficient of each query head of kv head `(bi, hi)`: `-slope` in the
+        units the logits are in before the cap (`name="alibi_tangent"`: the slopes'
+        tangents, in natural units)."""
+        table = self.table(tables, name)
+        return [table[(bi * heads + hi) * groups + group] for group in range(groups)]
+
     def bad_keys(self, refs: Sequence[Any], group: int | None = None, keys: Any = None,
                  name: str = "bad_key") -> Array:
         """The keys whose value row (`name="bad_tangent_key"`: value tangent row) is not
@@ -110,14 +165,7 @@ class BlockOperands:
         operands' blocks. `positional`: whether the causal/window/key-padding band
         applies (a Python bool, or a traced one when data masks are evaluated anyway)."""
         values = self._values(refs, group, keys, queries)
-        q_axis, k_axis = (len(tile) - 1, len(tile) - 2) if self.transposed else (
-            len(tile) - 2, len(tile) - 1)
-        # Positions as a column and a row that broadcast: a compare per pair, not an
-        # iota and an add per pair.
-        q_pos = q_start + jax.lax.broadcasted_iota(
-            jnp.int32, tuple(n if a == q_axis else 1 for a, n in enumerate(tile)), q_axis)
-        k_pos = k_start + jax.lax.broadcasted_iota(
-            jnp.int32, tuple(n if a == k_axis else 1 for a, n in enumerate(tile)), k_axis)
+        q_pos, k_pos = self._coordinates(tile, q_start, k_start)
         mask = None
 
         def conj(a, b):
@@ -192,11 +240,15 @@ def _layout(name: str, x: Array, query: bool, transposed: bool, block: int
     return side, lane_blocks(x, block)
 
 
-def prepare(cfg: KernelConfig, ops: Operands, batch: int, v: Array | None,
-            transposed: bool = False, dv: Array | None = None) -> BlockOperands:
-    """The kernels' view of `ops` (padded, internal layout) for a batch of `batch`.
+def prepare(cfg: KernelConfig, ops: Operands, heads: tuple[int, ...], v: Array | None,
+            transposed: bool = False, dv: Array | None = None,
+            alibi_units: float = 1.0, d_ops: Operands | None = None) -> BlockOperands:
+    """The kernels' view of `ops` (padded, internal layout) for q's leading axes `heads`
+    (batch, kv heads, query heads per kv head).
     With values `v` (and value tangents `dv`), also which keys hold a non-finite value
-    (and tangent): wanted where some block is masked."""
+    (and tangent): wanted where some block is masked. ALiBi's slopes become
+    coefficients in `alibi_units` (the logits' units before the cap), their tangents in
+    `d_ops` coefficients in natural units."""
     parts: list[tuple[_Side, Array]] = []
 
     def add(name: str, x: Array, query: bool) -> None:
@@ -208,15 +260,23 @@ def prepare(cfg: KernelConfig, ops: Operands, batch: int, v: Array | None,
         add("q_segment_ids", ops.q_segment_ids, True)
         add("kv_segment_ids", ops.kv_segment_ids, False)
     positions = ops.has_positions and not cfg.window.is_unbounded
-    if positions:
+    alibi = _alibi_source(ops)
+    if positions or alibi == "positions":
         add("q_positions", ops.q_positions, True)
         add("kv_positions", ops.kv_positions, False)
+    if alibi == "global":
+        add("q_index", ops.q_index, True)
+        add("kv_index", ops.kv_index, False)
     tables: dict[str, Array] = {}
+    if alibi is not None:
+        tables["alibi"] = _coefficients(ops.alibi_slopes, heads, -alibi_units)
+        if d_ops is not None and d_ops.alibi_slopes is not None:
+            tables["alibi_tangent"] = _coefficients(d_ops.alibi_slopes, heads, -1.0)
     if ops.has_lengths:
         q_len = ops.q_lengths if ops.q_lengths is not None else jnp.full((1,), cfg.seq_q)
         kv_len = ops.kv_lengths if ops.kv_lengths is not None else jnp.full((1,), cfg.seq_k)
         for name, x in (("q_lengths", q_len), ("kv_lengths", kv_len)):
-            tables[name] = jnp.broadcast_to(x.reshape(-1).astype(jnp.int32), (batch,))
+            tables[name] = jnp.broadcast_to(x.reshape(-1).astype(jnp.int32), heads[:1])
     masks_data = bool(parts) or ops.has_lengths
     if v is not None:
         bad = jnp.logical_not(jnp.all(jnp.isfinite(v), axis=-1))  # (b, h, seq_k)
@@ -230,4 +290,22 @@ def prepare(cfg: KernelConfig, ops: Operands, batch: int, v: Array | None,
     return BlockOperands(
         tuple(side for side, _ in parts), tuple(x for _, x in parts),
         tuple(tables.values()), tuple(tables), transposed, ops.has_lengths, positions,
-        masks_data)
+        masks_data, alibi,
+        alibi_float=alibi == "indices" and max(cfg.padded_seq) + abs(cfg.score_offset) < 2**24,
+        alibi_one_sided=(alibi == "indices" and cfg.band_window.right is not None
+                         and cfg.band_window.right <= 0 and cfg.score_offset == cfg.offset))
+
+
+def _alibi_source(ops: Operands) -> str | None:
+    if ops.alibi_slopes is None:
+        return None
+    if ops.has_positions:
+        return "positions"
+    return "global" if ops.q_index is not None else "indices"
+
+
+def _coefficients(slopes: Array, heads: tuple[int, ...], units: float) -> Array:
+    """`units * slopes`, `(b|1, h|1, g|1, 1, 1)`, as a flat float32 table over (batch,
+    kv head, query head of the group)."""
+    x = slopes.reshape(slopes.shape[:3]).astype(jnp.float32) * jnp.float32(units)
+    return jnp.broadcast_to(x, heads).reshape(-1)

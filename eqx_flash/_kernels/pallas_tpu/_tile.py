@@ -80,6 +80,9 @@ class Units(NamedTuple):
     in_kernel: float  # multiplied into the products in the kernel (1: none)
     after_cap: float  # multiplied into the capped logits (log2(e) in base 2, else 1)
     base2: bool
+    # The units of the logits before the cap, in which a score term is added to them
+    # (log2(e) in base 2 without a cap; natural, 1, under a cap).
+    before_cap: float
 
     def exp(self, x: Array) -> Array:
         return jnp.exp2(x) if self.base2 else jnp.exp(x)
@@ -98,10 +101,12 @@ class Units(NamedTuple):
 def units(cfg: KernelConfig, dtype, tuning: Tuning) -> Units:
     base = LOG2E if tuning.base2 else 1.0
     # With a soft cap, the cap acts on natural logits: base 2 applies after it.
-    total, after = (cfg.scale, base) if cfg.softcap is not None else (cfg.scale * base, 1.0)
+    capped = cfg.softcap is not None
+    total, after = (cfg.scale, base) if capped else (cfg.scale * base, 1.0)
+    before = 1.0 if capped else base
     if folds_scale(dtype) or tuning.prescale:
-        return Units(total, 1.0, after, tuning.base2)
-    return Units(1.0, total, after, tuning.base2)
+        return Units(total, 1.0, after, tuning.base2, before)
+    return Units(1.0, total, after, tuning.base2, before)
 
 
 def prepared_queries(q: Array, u: Units) -> Array:
@@ -117,17 +122,27 @@ def dot(a: Array, b: Array, dims, stat) -> Array:
     return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=stat)
 
 
-def logits(cfg: KernelConfig, u: Units, a: Array, b: Array, stat
+def logits(cfg: KernelConfig, u: Units, a: Array, b: Array, stat, term: Array | None = None
            ) -> tuple[Array, Array | None]:
-    """`a @ b^T` in the kernel's units, soft-capped; and the cap's tanh (None without)."""
+    """`a @ b^T` in the kernel's units plus a score `term` (in `u.before_cap` units),
+    soft-capped; and the cap's tanh (None without)."""
     s = dot(a, b, NT, stat)
     if u.in_kernel != 1.0:
         s = s * jnp.asarray(u.in_kernel, stat)
+    if term is not None:
+        s = s + term
     if cfg.softcap is None:
         return s, None
     t = jnp.tanh(s * jnp.asarray(1.0 / cfg.softcap, stat))
     s = t * jnp.asarray(cfg.softcap * u.after_cap, stat)
     return s, t
+
+
+def per_head_term(coefficients: list[Array], distance: Array) -> Array:
+    """`coefficient * distance` for each query head folded into a tile's rows, as the
+    tile `(g * rows, cols)`: `distance` `(1|g, rows, cols)`, one scalar per head."""
+    parts = [c * distance[min(n, distance.shape[0] - 1)] for n, c in enumerate(coefficients)]
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
 
 
 def lanes(x: Array, width: int) -> Array:

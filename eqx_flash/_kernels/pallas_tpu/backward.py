@@ -14,6 +14,7 @@ there reaches no gradient of a query that does not attend it (as the XLA kernels
 Reading order: `backward` -> `_dkv_call` (fused or not) / `_dq_call` -> their kernels.
 """
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -24,12 +25,25 @@ from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array
 
 from ..._core.config import KernelConfig, stat_dtype
-from ..._core.operands import Operands, differentiable_part
+from ..._core.operands import Operands, differentiable_part, reduce_to
 from ._call import planned_call, split_refs
 from ._operands import SUBLANES, BlockOperands, lane_blocks, prepare
 from ._plan import Plan, backward_plan, forward_plan
 from ._platform import on_tpu_or_interpreted
-from ._tile import DEFAULT_TUNING, LANES, NN, NT, TN, Tuning, Units, dot, lanes, logits, units
+from ._tile import (
+    DEFAULT_TUNING,
+    LANES,
+    NN,
+    NT,
+    TN,
+    Tuning,
+    Units,
+    dot,
+    lanes,
+    logits,
+    per_head_term,
+    units,
+)
 from ._tile import prepared_queries as _prepared_queries
 
 # VMEM a fused backward may spend on the whole head's dq (its float32 accumulator and
@@ -41,8 +55,8 @@ def backward(cfg: KernelConfig, q: Array, k: Array, v: Array, ops: Operands, lse
              delta: Array, d_out: Array, wanted: Operands, tuning: Tuning = DEFAULT_TUNING
              ) -> tuple[Array, Array, Array, Operands]:
     """The family contract's backward (the XLA family's `backward`): cotangents of q, k,
-    v and of the differentiable operands (none are covered by this family: all None)."""
-    del wanted
+    v and of the differentiable operands `wanted` among those the family covers (ALiBi's
+    slopes: summed per key block in the dk/dv kernel, added up here)."""
     stat = stat_dtype(q.dtype)
     u = units(cfg, q.dtype, tuning)
     fwd_plan, bwd_plan = forward_plan(cfg), backward_plan(cfg)
@@ -51,21 +65,35 @@ def backward(cfg: KernelConfig, q: Array, k: Array, v: Array, ops: Operands, lse
     q_in = _prepared_queries(q, u)
     # lse in the kernel's units, so that `p = exp(s - lse)` needs no conversion per pair.
     lse_u, delta = u.from_natural(lse.astype(stat)), delta.astype(stat)
-    dkv_ops = prepare(cfg, ops, b, v if masked else None, transposed=True)
+    dkv_ops = prepare(cfg, ops, q.shape[:3], v if masked else None, transposed=True,
+                      alibi_units=u.before_cap)
     dq_bytes = g * seq_q * d * (4 + 2 * q.dtype.itemsize)
     fused = tuning.fused_backward and dq_bytes <= FUSED_DQ_BYTES
+    slopes = ops.alibi_slopes is not None and wanted.alibi_slopes is not None
     call = functools.partial(_dkv_call, cfg, bwd_plan, dkv_ops, u, tuning.backward_chunk(cfg),
-                             fused)
-    results = on_tpu_or_interpreted(call, q_in, k, v, d_out, lse_u, delta)
+                             fused, slopes)
+    results = list(on_tpu_or_interpreted(call, q_in, k, v, d_out, lse_u, delta))
+    d_slopes = results.pop() if slopes else None
     if fused:
         d_q, d_k, d_v = results
     else:
         d_k, d_v = results
-        dq_ops = prepare(cfg, ops, b, v if masked else None)
+        dq_ops = prepare(cfg, ops, q.shape[:3], v if masked else None,
+                         alibi_units=u.before_cap)
         d_q = on_tpu_or_interpreted(functools.partial(_dq_call, cfg, fwd_plan, dq_ops, u),
                                     q_in, k, v, d_out, lse_u, delta)
-    none = jax.tree.map(lambda _: None, differentiable_part(ops))
-    return d_q, d_k, d_v, none
+    d_ops = jax.tree.map(lambda _: None, differentiable_part(ops))
+    if d_slopes is not None:
+        # `sum(ds * distance)` per (batch, kv head, key block, query head, lane): the
+        # slopes' cotangent is minus its total (the term is `-slope * distance`).
+        per_head = -d_slopes.sum(axis=(2, 4, 5))  # (b, h, g)
+        like = ops.alibi_slopes
+        assert like is not None
+        if like.shape[2] == 1:
+            per_head = per_head.sum(axis=2, keepdims=True)
+        d_ops = dataclasses.replace(d_ops, alibi_slopes=reduce_to(
+            "alibi_slopes", per_head[..., None, None], like))
+    return d_q, d_k, d_v, d_ops
 
 
 def _ds(p, dp, delta, t, mask):
@@ -92,7 +120,8 @@ def _by_flag(flag, operands: BlockOperands, step) -> None:
 
 
 def _dkv_call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units,
-              chunk: int, fused: bool, q, k, v, d_out, lse, delta, *, interpret: bool):
+              chunk: int, fused: bool, slopes: bool, q, k, v, d_out, lse, delta, *,
+              interpret: bool):
     b, h, g, seq_q, d = q.shape
     dv = v.shape[-1]
     bq, bk = cfg.block_q, cfg.block_k
@@ -136,8 +165,12 @@ def _dkv_call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units,
         semantics = ("parallel", "parallel", "arbitrary", "arbitrary")
     else:
         semantics = ("parallel", "parallel", "parallel", "arbitrary")
+    if slopes:  # per key block, `sum(ds * distance)` over its query rows, per lane
+        out_specs.append(pl.BlockSpec((None, None, None, g, 1, chunk),
+                                      lambda bi, hi, j, s, *tables: (bi, hi, j, 0, 0, 0)))
+        outputs.append(((b, h, num_k, g, 1, chunk), jnp.float32))
     kernel = functools.partial(_dkv_kernel, cfg=cfg, operands=operands, u=u, chunk=chunk,
-                               steps=steps, fused=fused)
+                               steps=steps, fused=fused, slopes=slopes)
     return planned_call(
         kernel, plan=plan, operands=operands, grid=(b, h, num_k, steps), in_specs=in_specs,
         out_specs=out_specs, outputs=outputs, scratch=scratch, semantics=semantics,
@@ -147,16 +180,18 @@ def _dkv_call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units,
 
 
 def _dkv_kernel(q_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: BlockOperands,
-                u: Units, chunk: int, steps: int, fused: bool):
+                u: Units, chunk: int, steps: int, fused: bool, slopes: bool):
     tables, (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), operand_refs, rest = split_refs(
         refs, operands, 6)
+    rest = list(rest)  # outputs (`ds_distance_ref` last of them), then the scratch
+    ds_distance_ref = rest.pop(len(rest) - (3 if fused else 2) - 1) if slopes else None
     if fused:
         dq_ref, dk_ref, dv_ref, dk_acc, dv_acc, dq_acc = rest
     else:
         dk_ref, dv_ref, dk_acc, dv_acc = rest
         dq_ref: Any = None
         dq_acc: Any = None
-    bi, j, s = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    bi, hi, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
     num_k = pl.num_programs(2)
     g, bq, _ = q_ref.shape
     bk = k_ref.shape[0]
@@ -171,17 +206,30 @@ def _dkv_kernel(q_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: Block
     def _init():
         dk_acc[...] = jnp.zeros(dk_acc.shape, stat)
         dv_acc[...] = jnp.zeros(dv_acc.shape, stat)
+        if ds_distance_ref is not None:
+            ds_distance_ref[...] = jnp.zeros(ds_distance_ref.shape, ds_distance_ref.dtype)
 
     flag, qb = flag_ref[j, s], q_block_ref[j, s]
 
     def step(positional):
+        # (Tables read in the step, under its `pl.when`: inside a user's shard_map,
+        # Pallas' interpreter rejects a read of a varying table outside one.)
+        coefficients = None
+        if operands.alibi is not None:
+            coefficients = operands.alibi_coefficients(tables, bi, hi, pl.num_programs(1), g)
         k, v = k_ref[...], v_ref[...]
         dk, dv = dk_acc[...], dv_acc[...]
         for group in range(g):  # the query heads of this kv head, one product each
             for c in range(bq // chunk):
                 queries = pl.ds(c * chunk, chunk)
                 q, do = q_ref[group, queries, :], do_ref[group, queries, :]
-                st, t = logits(cfg, u, k, q, stat)  # (bk, chunk)
+                distance = term = None
+                if coefficients is not None:
+                    distance = operands.alibi_distance(cfg, operand_refs, qb * bq + c * chunk,
+                                                       j * bk, (bk, chunk), group,
+                                                       queries=queries)
+                    term = coefficients[group] * jnp.broadcast_to(distance, (bk, chunk))
+                st, t = logits(cfg, u, k, q, stat, term)  # (bk, chunk)
                 mask = operands.mask(cfg, operand_refs, tables, bi, qb * bq + c * chunk,
                                      j * bk, (bk, chunk), positional, group,
                                      queries=queries)
@@ -191,6 +239,9 @@ def _dkv_kernel(q_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: Block
                 dv = dv + dot(p.astype(do.dtype), do, NN, stat)
                 dp = dot(v, do, NT, stat)
                 ds = _ds(p, dp, delta_ref[group, 0:1, queries], t, mask)
+                if ds_distance_ref is not None:
+                    assert distance is not None
+                    ds_distance_ref[group] += jnp.sum(ds * distance, axis=0, keepdims=True)
                 dk = dk + dot(ds.astype(q.dtype), q, NN, stat)
                 if fused:
                     rows = pl.ds(qb * bq + c * chunk, chunk)
@@ -260,7 +311,7 @@ def _dq_kernel(kv_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: Block
     tables, (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), operand_refs, rest = split_refs(
         refs, operands, 6)
     dq_ref, acc_ref = rest
-    bi, i, s = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    bi, hi, i, s = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
     g, bq, d = q_ref.shape
     bk, dv = v_ref.shape
     rows, stat = g * bq, acc_ref.dtype
@@ -272,7 +323,12 @@ def _dq_kernel(kv_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: Block
     flag, kb = flag_ref[i, s], kv_block_ref[i, s]
 
     def step(positional):
-        sc, t = logits(cfg, u, q_ref[...].reshape(rows, d), k_ref[...], stat)
+        term = None
+        if operands.alibi is not None:
+            distance = operands.alibi_distance(cfg, operand_refs, i * bq, kb * bk, (1, bq, bk))
+            term = per_head_term(operands.alibi_coefficients(
+                tables, bi, hi, pl.num_programs(1), g), distance)
+        sc, t = logits(cfg, u, q_ref[...].reshape(rows, d), k_ref[...], stat, term)
         mask = operands.mask(cfg, operand_refs, tables, bi, i * bq, kb * bk, (1, bq, bk),
                              positional)
         full_mask = None

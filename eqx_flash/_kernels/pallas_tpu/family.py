@@ -46,7 +46,6 @@ def covers(cfg: KernelConfig, call: Call) -> str | None:
         (cfg.split_k, "few queries against many keys (the xla family's split-K kernel)"),
         (ops.pair_mask is not None, "attn_mask (a dense pair mask)"),
         (ops.bias is not None, "bias"),
-        (ops.alibi_slopes is not None, "alibi_slopes"),
         (call.score_mod, "score_mod"),
         (call.mask_mod or ops.block_flags is not None, "mask_mod / block_mask"),
         (cfg.dropout_rate > 0.0, "dropout_rate > 0"),

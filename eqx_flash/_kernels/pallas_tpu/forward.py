@@ -36,6 +36,7 @@ from ._tile import (
     dot,
     lanes,
     logits,
+    per_head_term,
     prepared_queries,
     units,
 )
@@ -50,8 +51,8 @@ def forward(cfg: KernelConfig, q: Array, k: Array, v: Array, ops: Operands,
     `cfg`; out in q's dtype, the statistics `(b, h, g, seq_q_pad)` float32."""
     plan = forward_plan(cfg)
     masked = plan.any_partial or ops.has_data_mask or ops.has_positions
-    operands = prepare(cfg, ops, q.shape[0], v if masked else None)
     u = units(cfg, q.dtype, tuning)
+    operands = prepare(cfg, ops, q.shape[:3], v if masked else None, alibi_units=u.before_cap)
     call = functools.partial(_call, cfg, plan, operands, u, tuning.forward_chunk(cfg.block_k),
                              tuning.partial_split(cfg.block_q))
     return on_tpu_or_interpreted(call, prepared_queries(q, u), k, v)
@@ -159,7 +160,7 @@ def _step(*, positional: bool | None, flag, cfg: KernelConfig, operands: BlockOp
                                                 cfg.padded_seq[1] // bk)
     tile = functools.partial(
         _tile, cfg=cfg, operands=operands, u=u, q_ref=q_ref, k_ref=k_ref, v_ref=v_ref,
-        operand_refs=operand_refs, tables=tables, bi=bi, q_block_start=qb * bq,
+        operand_refs=operand_refs, tables=tables, bi=bi, hi=hi, q_block_start=qb * bq,
         m_scr=m_scr, l_scr=l_scr, acc_scr=acc_scr, bad_block=bad_block)
     for c in range(bk // chunk):
         keys = pl.ds(c * chunk, chunk)
@@ -180,7 +181,7 @@ def _step(*, positional: bool | None, flag, cfg: KernelConfig, operands: BlockOp
 
 def _tile(*, r0: int, n: int, keys, k_start, band: bool | Array, cfg: KernelConfig,
           operands: BlockOperands, u: Units, q_ref, k_ref, v_ref, operand_refs, tables, bi,
-          q_block_start, m_scr, l_scr, acc_scr, bad_block) -> None:
+          hi, q_block_start, m_scr, l_scr, acc_scr, bad_block) -> None:
     """The online-softmax update of rows `[r0, r0 + n)` of every folded query head by
     the `keys` slice of the key block (starting at key `k_start`)."""
     g, bq, d = q_ref.shape
@@ -188,8 +189,16 @@ def _tile(*, r0: int, n: int, keys, k_start, band: bool | Array, cfg: KernelConf
     rows = slice(None) if whole_rows else pl.ds(r0, n)
     stat = m_scr.dtype
     q = q_ref[:, rows, :].reshape(g * n, d)
-    s, _ = logits(cfg, u, q, k_ref[keys, :], stat)  # (g * n, chunk)
-    chunk = s.shape[-1]
+    k = k_ref[keys, :]
+    chunk = k.shape[0]
+    term = None
+    if operands.alibi is not None:
+        distance = operands.alibi_distance(cfg, operand_refs, q_block_start + r0, k_start,
+                                           (1, n, chunk), keys=keys,
+                                           queries=None if whole_rows else rows)
+        term = per_head_term(operands.alibi_coefficients(tables, bi, hi, pl.num_programs(1),
+                                                         g), distance)
+    s, _ = logits(cfg, u, q, k, stat, term)  # (g * n, chunk)
     mask = operands.mask(cfg, operand_refs, tables, bi, q_block_start + r0, k_start,
                          (1, n, chunk), band, keys=keys,
                          queries=None if whole_rows else rows)

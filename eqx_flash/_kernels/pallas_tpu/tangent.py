@@ -33,6 +33,7 @@ from ._tile import (
     dot,
     lanes,
     logits,
+    per_head_term,
     prepared_queries,
     units,
 )
@@ -44,14 +45,13 @@ def forward_and_tangent(cfg: KernelConfig, q: Array, k: Array, v: Array, ops: Op
                         d_ops: Operands, tuning: Tuning = DEFAULT_TUNING
                         ) -> tuple[Array, Array, Array, Array, Array]:
     """The family contract's `forward_and_tangent`: `(out, lse, max_score, d_out,
-    d_lse)` for tangents `dq`, `dk`, `dv` (None: zero). The family covers no
-    differentiable operand, so `d_ops` holds nothing."""
-    del d_ops
+    d_lse)` for tangents `dq`, `dk`, `dv` (None: zero) and `d_ops` (of the operands
+    the family covers: ALiBi's slopes)."""
     plan = forward_plan(cfg)
     masked = plan.any_partial or ops.has_data_mask or ops.has_positions
-    operands = prepare(cfg, ops, q.shape[0], v if masked else None,
-                       dv=dv if masked else None)
     u = units(cfg, q.dtype, tuning)
+    operands = prepare(cfg, ops, q.shape[:3], v if masked else None,
+                       dv=dv if masked else None, alibi_units=u.before_cap, d_ops=d_ops)
     has = (dq is not None, dk is not None, dv is not None)
     arrays = [prepared_queries(q, u), k, v] + [x for x in (dq, dk, dv) if x is not None]
     call = functools.partial(_call, cfg, plan, operands, u,
@@ -127,23 +127,43 @@ def _kernel(kv_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: BlockOpe
 
     flag, kb = flag_ref[i, s], kv_block_ref[i, s]
 
+    heads = pl.num_programs(1)
+
     def step(positional):
+        # (Tables read in the step, under its `pl.when`: inside a user's shard_map,
+        # Pallas' interpreter rejects a read of a varying table outside one.)
+        alibi = d_alibi = None
+        if operands.alibi is not None:
+            alibi = operands.alibi_coefficients(tables, bi, hi, heads, g)
+            if "alibi_tangent" in operands.table_names:
+                d_alibi = operands.alibi_coefficients(tables, bi, hi, heads, g,
+                                                      "alibi_tangent")
         q = q_ref[...].reshape(rows, d)
         dq = None if dq_ref is None else dq_ref[...].reshape(rows, d)
         bad_block = None
         if operands.checks_values:
-            bad_block = operands.block_has_bad_keys(tables, bi, hi, kb, pl.num_programs(1),
+            bad_block = operands.block_has_bad_keys(tables, bi, hi, kb, heads,
                                                     cfg.padded_seq[1] // bk)
         for c in range(bk // chunk):
             keys = pl.ds(c * chunk, chunk)
             k = k_ref[keys, :]
-            sc, t = logits(cfg, u, q, k, stat)
+            score_term = distance = None
+            if alibi is not None:
+                distance = operands.alibi_distance(cfg, operand_refs, i * bq,
+                                                   kb * bk + c * chunk, (1, bq, chunk),
+                                                   keys=keys)
+                score_term = per_head_term(alibi, distance)
+            sc, t = logits(cfg, u, q, k, stat, score_term)
             # dS in natural units: the queries carry `u.fold` of the scale.
             ds = None
             if dq is not None:
                 ds = dot(dq, k, NT, stat) * jnp.asarray(cfg.scale, stat)
             if dk_ref is not None:
                 term = dot(q, dk_ref[keys, :], NT, stat) * jnp.asarray(cfg.scale / u.fold, stat)
+                ds = term if ds is None else ds + term
+            if d_alibi is not None:
+                assert distance is not None
+                term = per_head_term(d_alibi, distance)
                 ds = term if ds is None else ds + term
             if ds is not None and t is not None:
                 ds = ds * (1.0 - t * t)
