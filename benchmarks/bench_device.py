@@ -2,7 +2,7 @@
 
     python benchmarks/bench_device.py [--preset quick|full|sweep] [--seqs 1024 4096 ...]
         [--modes fwd fwd+bwd jvp] [--causal both|yes|no] [--configs h16d128 h16d64 gqa32-8]
-        [--impls SUBSTRING ...] [--features alibi] [--rounds 5] [--blocks 512 1024 2048]
+        [--impls SUBSTRING ...] [--features alibi dropout] [--rounds 5] [--blocks 512 1024 2048]
         [--time-budget S]
         [--json out.json] [--markdown out.md] [--plot out.png]
     python benchmarks/bench_device.py --replot out.json [--plot out.png]   # no device needed
@@ -17,7 +17,7 @@ name contains one of the given substrings):
 - `eqx_flash`: `eqx_flash.flash_attention` at its default kernels and blocks; if it takes
   `kernels=`, one more row per kernel family (`eqx_flash[xla]`, ...); with `--features`,
   one more per family and feature (`eqx_flash[pallas_tpu]+alibi`: ALiBi's standard
-  slopes, constants), for what the feature costs.
+  slopes, constants; `+dropout`: rate 0.1), for what the feature costs.
 - `pallas flash bN`: `jax.experimental.pallas.ops.tpu.flash_attention` with every block
   size N of `--blocks` (k and v repeated to the query heads for GQA: it has none).
 - `splash bN`: `splash_attention.make_splash_mha` (a `CausalMask` or `FullMask` per head,
@@ -169,6 +169,7 @@ class Impl:
 FEATURES: dict[str, Callable[[Config], dict[str, Any]]] = {
     "alibi": lambda config: {"alibi_slopes": 2.0 ** (-8.0 * jnp.arange(1, config.heads + 1)
                                                      / config.heads)},
+    "dropout": lambda config: {"dropout_rate": 0.1, "key": jax.random.key(0)},
 }
 
 

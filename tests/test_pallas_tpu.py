@@ -141,6 +141,34 @@ def test_alibi_against_reference(name):
                  jnp.where(jnp.isfinite(lse), r_lse, 0.0), kind="grad", name="jvp lse")
 
 
+@pytest.mark.parametrize("options", [dict(), dict(causal=True, softcap=3.0)],
+                         ids=["GQA", "causal softcap"])
+def test_dropout_drops_what_the_xla_kernels_drop(options):
+    """Dropout in the kernels (`_semantics.dropout`'s hash per tile): for the same key,
+    the same values, lse, gradients and jvp as the XLA family (itself tested against
+    the reference) — switching families changes no result."""
+    q, k, v = qkv(13, (2, 4, 200, 32), (2, 2, 300, 32))
+    common = dict(dropout_rate=0.25, key=jax.random.key(14), **options, **BLOCKS)
+    pallas = functools.partial(flash_attention, **PALLAS, **common)
+    xla = functools.partial(flash_attention, kernels="xla", **common)
+    out, lse = jax.jit(pallas)(q, k, v)
+    ref_out, ref_lse = jax.jit(xla)(q, k, v)
+    assert_close(out, ref_out, name="out")
+    assert_lse_close(lse, ref_lse, jnp.float32)
+    assert not np.allclose(out, flash_attention(q, k, v, **options, **BLOCKS)[0], atol=1e-2)
+    grad = functools.partial(jax.grad, argnums=(0, 1, 2))
+    got = jax.jit(grad(lambda q, k, v: _loss(pallas, q, k, v)))(q, k, v)
+    want = jax.jit(grad(lambda q, k, v: _loss(xla, q, k, v)))(q, k, v)
+    for name, a, b in zip("qkv", got, want, strict=True):
+        assert_close(a, b, kind="grad", name=f"d{name}")
+
+    def jvp(attention):
+        return jax.jit(lambda q, v: jax.jvp(lambda q, v: attention(q, k, v)[0], (q, v),
+                                            (jnp.cos(q), jnp.sin(v)))[1])(q, v)
+
+    assert_close(jvp(pallas), jvp(xla), kind="grad", name="jvp")
+
+
 def test_empty_rows_and_nonfinite_values():
     """Rows that attend nothing give 0, -inf and zero gradients; a NaN value reaches
     exactly the rows that attend it (causal: the later ones), in values and gradients."""

@@ -35,7 +35,24 @@ def dropout_keep(
 ) -> Bool[Array, "*b"]:
     """Whether attention weight (head, i, j) survives dropout: a pure function of
     (key, flat leading index, i, j), so kernels and reference drop the same entries."""
-    row = _mix(_mix(seed ^ head_index.astype(jnp.uint32)) ^ q_pos.astype(jnp.uint32))
+    return keep_for_head(head_seed(seed, head_index), q_pos, k_pos, rate)
+
+
+def head_seed(seed: UInt32[Array, ""], head_index: Int[Array, "*#b"]) -> UInt32[Array, "*#b"]:
+    """The first half of `dropout_keep`: the seed of one head (a kernel that reads
+    it per head from a table calls `keep_for_head` with it)."""
+    return _mix(seed ^ head_index.astype(jnp.uint32))
+
+
+def keep_for_head(
+    seed_of_head: UInt32[Array, "*#b"],
+    q_pos: Int[Array, "*#b"] | UInt32[Array, "*#b"],
+    k_pos: Int[Array, "*#b"] | UInt32[Array, "*#b"],
+    rate: float,
+) -> Bool[Array, "*b"]:
+    """The rest of `dropout_keep`: one hash per query (row) and per key (column), then
+    one per pair."""
+    row = _mix(seed_of_head ^ q_pos.astype(jnp.uint32))
     col = _mix(k_pos.astype(jnp.uint32) ^ jnp.uint32(0x68E31DA4))
     h = _mix(row + col)
     threshold = jnp.uint32(min(int(rate * 2.0**32), 2**32 - 1))

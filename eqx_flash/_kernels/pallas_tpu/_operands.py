@@ -12,6 +12,8 @@ query blocks of the dk/dv kernel) is still a whole array's last dimension. Lengt
 are scalars in SMEM, as is which key blocks hold a value that is not finite, and so are
 ALiBi's slopes (as the coefficient each query head's distance is multiplied by): its
 distance is computed in the kernel from the tile's indices or positions, no bias array.
+Dropout's seed is one per query head (`_semantics.dropout.head_seed`), the rest of its
+hash computed per tile (`keep_for_head`): the same pattern as the XLA kernels'.
 
 The predicates are `_semantics.masking`'s own, evaluated on these block values, so the
 Pallas kernels, the XLA kernels and the reference agree on what attends.
@@ -29,6 +31,7 @@ from jaxtyping import Array
 from ..._core.config import KernelConfig
 from ..._core.operands import Operands
 from ..._core.options import Window
+from ..._semantics.dropout import flat_head_index, head_seed, keep_for_head
 from ..._semantics.masking import length_mask, positional_mask, within_window
 from ..._semantics.score_terms import alibi_distance
 
@@ -72,6 +75,7 @@ class BlockOperands:
     # aligned position (causal: the distance is `p - j`, no absolute value per pair).
     alibi_float: bool = False
     alibi_one_sided: bool = False
+    dropout_rate: float = 0.0  # > 0: a table of per-head seeds ("dropout") applies
 
     def block_specs(self, block_q: int, block_k: int) -> list[pl.BlockSpec]:
         """BlockSpecs for a grid `(batch, kv head, outer block, step)` whose first scalar
@@ -143,6 +147,30 @@ class BlockOperands:
         tangents, in natural units)."""
         table = self.table(tables, name)
         return [table[(bi * heads + hi) * groups + group] for group in range(groups)]
+
+    def dropout(self, tables: Sequence[Any], bi: Array, hi: Array, heads: int | Array,
+                groups: int, q_start: Array, k_start: Array, tile: tuple[int, ...],
+                group: int | None = None) -> Array | None:
+        """Dropout's multiplier `keep / (1 - rate)` on the tile (None without dropout):
+        `(g * rows, cols)` for the query heads folded into the rows of a `(1, rows,
+        cols)` tile, or `tile` for one query head `group` (`mask`'s tiles)."""
+        if self.dropout_rate == 0.0:
+            return None
+        table = self.table(tables, "dropout")
+        q_pos, k_pos = (jax.lax.bitcast_convert_type(x, jnp.uint32)
+                        for x in self._coordinates(tile, q_start, k_start))
+        scale = jnp.float32(1.0 / (1.0 - self.dropout_rate))
+
+        def multiplier(n: int) -> Array:
+            seed = jax.lax.bitcast_convert_type(
+                jnp.full((1,) * len(tile), table[(bi * heads + hi) * groups + n]), jnp.uint32)
+            keep = keep_for_head(seed, q_pos, k_pos, self.dropout_rate)
+            return jnp.where(keep, scale, jnp.float32(0.0))
+
+        if group is not None:
+            return multiplier(group)
+        parts = [multiplier(n).reshape(tile[-2:]) for n in range(groups)]
+        return parts[0] if groups == 1 else jnp.concatenate(parts, axis=0)
 
     def bad_keys(self, refs: Sequence[Any], group: int | None = None, keys: Any = None,
                  name: str = "bad_key") -> Array:
@@ -277,6 +305,11 @@ def prepare(cfg: KernelConfig, ops: Operands, heads: tuple[int, ...], v: Array |
         kv_len = ops.kv_lengths if ops.kv_lengths is not None else jnp.full((1,), cfg.seq_k)
         for name, x in (("q_lengths", q_len), ("kv_lengths", kv_len)):
             tables[name] = jnp.broadcast_to(x.reshape(-1).astype(jnp.int32), heads[:1])
+    if cfg.dropout_rate > 0.0 and ops.dropout_seed is not None:
+        b, h, g = heads
+        per_head = flat_head_index(jnp.arange(b)[:, None], jnp.arange(h)[None, :], h, g)
+        tables["dropout"] = jax.lax.bitcast_convert_type(
+            head_seed(ops.dropout_seed, per_head.reshape(-1)), jnp.int32)
     masks_data = bool(parts) or ops.has_lengths
     if v is not None:
         bad = jnp.logical_not(jnp.all(jnp.isfinite(v), axis=-1))  # (b, h, seq_k)
@@ -291,6 +324,7 @@ def prepare(cfg: KernelConfig, ops: Operands, heads: tuple[int, ...], v: Array |
         tuple(side for side, _ in parts), tuple(x for _, x in parts),
         tuple(tables.values()), tuple(tables), transposed, ops.has_lengths, positions,
         masks_data, alibi,
+        dropout_rate=cfg.dropout_rate if "dropout" in tables else 0.0,
         alibi_float=alibi == "indices" and max(cfg.padded_seq) + abs(cfg.score_offset) < 2**24,
         alibi_one_sided=(alibi == "indices" and cfg.band_window.right is not None
                          and cfg.band_window.right <= 0 and cfg.score_offset == cfg.offset))

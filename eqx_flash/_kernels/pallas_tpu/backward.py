@@ -236,8 +236,13 @@ def _dkv_kernel(q_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: Block
                 if mask is not None:
                     st = jnp.where(mask, st, -jnp.inf)
                 p = u.exp(st - lse_ref[group, 0:1, queries])
-                dv = dv + dot(p.astype(do.dtype), do, NN, stat)
                 dp = dot(v, do, NT, stat)
+                drop = operands.dropout(tables, bi, hi, pl.num_programs(1), g,
+                                        qb * bq + c * chunk, j * bk, (bk, chunk), group)
+                p_v = p
+                if drop is not None:
+                    p_v, dp = p * drop, dp * drop
+                dv = dv + dot(p_v.astype(do.dtype), do, NN, stat)
                 ds = _ds(p, dp, delta_ref[group, 0:1, queries], t, mask)
                 if ds_distance_ref is not None:
                     assert distance is not None
@@ -337,6 +342,10 @@ def _dq_kernel(kv_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: Block
             sc = jnp.where(full_mask, sc, -jnp.inf)
         p = u.exp(sc - lanes(lse_ref[...].reshape(rows, LANES), bk))
         dp = dot(do_ref[...].reshape(rows, dv), v_ref[...], NT, stat)
+        drop = operands.dropout(tables, bi, hi, pl.num_programs(1), g, i * bq, kb * bk,
+                                (1, bq, bk))
+        if drop is not None:
+            dp = dp * drop
         delta = lanes(delta_ref[...].reshape(rows, LANES), bk)
         ds = _ds(p, dp, delta, t, full_mask)
         k = k_ref[...]

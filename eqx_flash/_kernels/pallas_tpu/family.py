@@ -48,7 +48,6 @@ def covers(cfg: KernelConfig, call: Call) -> str | None:
         (ops.bias is not None, "bias"),
         (call.score_mod, "score_mod"),
         (call.mask_mod or ops.block_flags is not None, "mask_mod / block_mask"),
-        (cfg.dropout_rate > 0.0, "dropout_rate > 0"),
         (jnp.dtype(call.dtype) == jnp.float64, "float64 inputs (a TPU has no float64)"),
         (call.shapes.dim > MAX_DIM or call.shapes.dim_v > MAX_DIM,
          f"head dims above {MAX_DIM}"),

@@ -212,7 +212,10 @@ def _tile(*, r0: int, n: int, keys, k_start, band: bool | Array, cfg: KernelConf
     l_scr[:, rows, :] = (alpha * l_prev + jnp.sum(p, axis=-1, keepdims=True)).reshape(
         g, n, LANES)
     m_scr[:, rows, :] = m_next.reshape(g, n, LANES)
-    _accumulate(operands, operand_refs, acc_scr, rows, p, alpha, v_ref, keys, mask,
+    drop = operands.dropout(tables, bi, hi, pl.num_programs(1), g, q_block_start + r0,
+                            k_start, (1, n, chunk))
+    p_v = p if drop is None else p * drop  # dropout acts on the weights, not on l
+    _accumulate(operands, operand_refs, acc_scr, rows, p_v, alpha, v_ref, keys, mask,
                 bad_block, g, n)
 
 

@@ -186,6 +186,12 @@ def _kernel(kv_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: BlockOpe
                                                                     keepdims=True)
             else:
                 acc_ds_scr[...] = alpha * acc_ds_scr[...]
+            # Dropout acts on the weights of the values, not on l or rowsum(P dS).
+            drop = operands.dropout(tables, bi, hi, heads, g, i * bq, kb * bk + c * chunk,
+                                    (1, bq, chunk))
+            if drop is not None:
+                p = p * drop
+                p_ds = None if p_ds is None else p_ds * drop
             _accumulate(operands, operand_refs, acc_scr, acc_t_scr, p, p_ds, alpha, v_ref,
                         dv_ref, keys, mask, bad_block, g, bq)
 
