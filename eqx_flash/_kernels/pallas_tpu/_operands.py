@@ -34,6 +34,7 @@ from ..._core.options import Window
 from ..._semantics.dropout import flat_head_index, head_seed, keep_for_head
 from ..._semantics.masking import length_mask, positional_mask, within_window
 from ..._semantics.score_terms import alibi_distance
+from ._tile import fold_heads
 
 LANES, SUBLANES = 128, 8
 
@@ -169,8 +170,7 @@ class BlockOperands:
 
         if group is not None:
             return multiplier(group)
-        parts = [multiplier(n).reshape(tile[-2:]) for n in range(groups)]
-        return parts[0] if groups == 1 else jnp.concatenate(parts, axis=0)
+        return fold_heads([multiplier(n).reshape(tile[-2:]) for n in range(groups)])
 
     def bad_keys(self, refs: Sequence[Any], group: int | None = None, keys: Any = None,
                  name: str = "bad_key") -> Array:

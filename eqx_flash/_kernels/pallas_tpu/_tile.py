@@ -138,11 +138,17 @@ def logits(cfg: KernelConfig, u: Units, a: Array, b: Array, stat, term: Array | 
     return s, t
 
 
+def fold_heads(parts: list[Array]) -> Array:
+    """One `(rows, cols)` tile per query head as the tile of the heads folded into its
+    rows, `(g * rows, cols)` (the layout of the forward's and the dq kernel's logits)."""
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
+
+
 def per_head_term(coefficients: list[Array], distance: Array) -> Array:
     """`coefficient * distance` for each query head folded into a tile's rows, as the
     tile `(g * rows, cols)`: `distance` `(1|g, rows, cols)`, one scalar per head."""
-    parts = [c * distance[min(n, distance.shape[0] - 1)] for n, c in enumerate(coefficients)]
-    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
+    return fold_heads([c * distance[min(n, distance.shape[0] - 1)]
+                       for n, c in enumerate(coefficients)])
 
 
 def lanes(x: Array, width: int) -> Array:

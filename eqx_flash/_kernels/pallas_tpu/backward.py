@@ -183,12 +183,13 @@ def _dkv_kernel(q_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: Block
                 u: Units, chunk: int, steps: int, fused: bool, slopes: bool):
     tables, (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), operand_refs, rest = split_refs(
         refs, operands, 6)
-    rest = list(rest)  # outputs (`ds_distance_ref` last of them), then the scratch
-    ds_distance_ref = rest.pop(len(rest) - (3 if fused else 2) - 1) if slopes else None
+    scratch = 3 if fused else 2  # the outputs come first, `ds_distance_ref` last of them
+    outputs, rest = list(rest[:-scratch]), rest[-scratch:]
+    ds_distance_ref = outputs.pop() if slopes else None
     if fused:
-        dq_ref, dk_ref, dv_ref, dk_acc, dv_acc, dq_acc = rest
+        dq_ref, dk_ref, dv_ref, dk_acc, dv_acc, dq_acc = (*outputs, *rest)
     else:
-        dk_ref, dv_ref, dk_acc, dv_acc = rest
+        dk_ref, dv_ref, dk_acc, dv_acc = (*outputs, *rest)
         dq_ref: Any = None
         dq_acc: Any = None
     bi, hi, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
