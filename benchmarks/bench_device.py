@@ -2,7 +2,7 @@
 
     python benchmarks/bench_device.py [--preset quick|full|sweep] [--seqs 1024 4096 ...]
         [--modes fwd fwd+bwd jvp] [--causal both|yes|no] [--configs h16d128 h16d64 gqa32-8]
-        [--impls SUBSTRING ...] [--features alibi dropout] [--rounds 5] [--blocks 512 1024 2048]
+        [--impls SUBSTRING ...] [--features alibi dropout bias] [--rounds 5] [--blocks 512 1024 2048]
         [--time-budget S]
         [--json out.json] [--markdown out.md] [--plot out.png]
     python benchmarks/bench_device.py --replot out.json [--plot out.png]   # no device needed
@@ -17,7 +17,8 @@ name contains one of the given substrings):
 - `eqx_flash`: `eqx_flash.flash_attention` at its default kernels and blocks; if it takes
   `kernels=`, one more row per kernel family (`eqx_flash[xla]`, ...); with `--features`,
   one more per family and feature (`eqx_flash[pallas_tpu]+alibi`: ALiBi's standard
-  slopes, constants; `+dropout`: rate 0.1), for what the feature costs.
+  slopes, constants; `+dropout`: rate 0.1; `+bias`: a bias per head and pair, bf16,
+  trained: fwd+bwd takes its gradient), for what the feature costs.
 - `pallas flash bN`: `jax.experimental.pallas.ops.tpu.flash_attention` with every block
   size N of `--blocks` (k and v repeated to the query heads for GQA: it has none).
 - `splash bN`: `splash_attention.make_splash_mha` (a `CausalMask` or `FullMask` per head,
@@ -165,12 +166,17 @@ class Impl:
 
 # Options `--features` adds as rows of their own (`eqx_flash[family]+name`), to measure
 # what each costs against the same kernels without it: keyword arguments of
-# `flash_attention` for a config (its constants; their derivatives are not taken).
-FEATURES: dict[str, Callable[[Config], dict[str, Any]]] = {
-    "alibi": lambda config: {"alibi_slopes": 2.0 ** (-8.0 * jnp.arange(1, config.heads + 1)
-                                                     / config.heads)},
-    "dropout": lambda config: {"dropout_rate": 0.1, "key": jax.random.key(0)},
+# `flash_attention` for a config and sequence length (constants, but for `TRAINED`).
+FEATURES: dict[str, Callable[[Config, int], dict[str, Any]]] = {
+    "alibi": lambda config, seq: {"alibi_slopes": 2.0 ** (
+        -8.0 * jnp.arange(1, config.heads + 1) / config.heads)},
+    "dropout": lambda config, seq: {"dropout_rate": 0.1, "key": jax.random.key(0)},
+    "bias": lambda config, seq: {"bias": 0.1 * jax.random.normal(
+        jax.random.key(1), (config.heads, seq, seq), jnp.bfloat16)},
 }
+# Features whose array is trained: fwd+bwd takes its gradient too (tied to q by a zero
+# multiple of one of its elements, so that `jax.grad` of q, k, v reaches it in full).
+TRAINED = {"bias"}
 
 
 def _eqx(family: str | None = None, block_q: int | None = None, block_k: int | None = None,
@@ -180,8 +186,18 @@ def _eqx(family: str | None = None, block_q: int | None = None, block_k: int | N
         extra.update(block_q=block_q, block_k=block_k)
 
     def make(config, seq, causal, block):
-        options = dict(extra, **(FEATURES[feature](config) if feature else {}))
-        return lambda q, k, v: eqx_flash.flash_attention(q, k, v, causal=causal, **options)[0]
+        options = dict(extra, **(FEATURES[feature](config, seq) if feature else {}))
+        if feature not in TRAINED:
+            return lambda q, k, v: eqx_flash.flash_attention(q, k, v, causal=causal,
+                                                             **options)[0]
+        array = options.pop(feature)
+
+        def attend(q, k, v):
+            tied = array + (0 * q.reshape(-1)[0]).astype(array.dtype)
+            return eqx_flash.flash_attention(q, k, v, causal=causal, **{feature: tied},
+                                             **options)[0]
+
+        return attend
 
     return make
 

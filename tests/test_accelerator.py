@@ -145,9 +145,7 @@ def test_feature_values_and_grads(family, feature):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_jvp_through_options(family):
     options = {**FEATURES["lengths, causal"], "softcap": 5.0,
-               **FEATURES["ALiBi per sequence, causal"]}
-    if family != "pallas_tpu":  # (the Pallas kernels take no bias yet)
-        options.update(FEATURES["bias"])
+               **FEATURES["ALiBi per sequence, causal"], **FEATURES["bias"]}
     check_attention(flash(family), problem(**options), grads=False, jvp=True)
 
 

@@ -141,6 +141,28 @@ def test_a_feature_row_is_the_family_with_that_option(bench):
     assert not jnp.allclose(got, eqx_flash.plain_attention(q, k, v, causal=True)[0], atol=1e-3)
 
 
+def test_a_trained_feature_gets_its_gradient_in_fwd_bwd(bench):
+    """`--features bias`: the bias is tied to q, so the timed fwd+bwd computes its
+    gradient (a bias cotangent reaches q through the tie, times zero)."""
+    impls, _ = bench.implementations([512], ["xla"], ["bias"])
+    row = next(i for i in impls if i.label == "eqx_flash[xla]+bias")
+    config = bench.parse_config("h2d16")
+    q, k, v = (jax.random.normal(jax.random.key(n), (1, 2, 32, 16)) for n in range(3))
+    attend = row.make(config, 32, False, None)
+    bias = bench.FEATURES["bias"](config, 32)["bias"]
+    want = eqx_flash.plain_attention(q, k, v, bias=bias)[0]
+    assert jnp.allclose(attend(q, k, v), want, atol=2e-2)
+
+    def backward_size(fn):  # the length of the program fwd+bwd times
+        return len(str(jax.make_jaxpr(bench.program(fn, "fwd+bwd"))(q, k, v)))
+
+    def fixed(q, k, v):
+        return eqx_flash.flash_attention(q, k, v, bias=bias, kernels="xla")[0]
+
+    # The bias's cotangent is computed (and summed into the tie) only when trained.
+    assert backward_size(attend) > backward_size(fixed)
+
+
 def test_tpu_peers_wiring_in_interpret_mode(bench):
     """Pallas flash (k, v repeated for GQA) and splash (q pre-scaled, vmapped over the
     batch) compute plain attention: run by Pallas' TPU interpreter on CPU."""

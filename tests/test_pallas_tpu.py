@@ -74,6 +74,8 @@ def test_masks_against_reference():
     _compare(q, k, v, q_segment_ids=ids_q, kv_segment_ids=ids_k, causal=True)
     _compare(q, k, v, q_lengths=jnp.array([160, 40]), kv_lengths=jnp.array([256, 10]),
              causal=True)
+    pairs = jax.random.bernoulli(key, 0.6, (2, 1, 160, 256)).at[1, 0, 5].set(False)
+    _compare(q, k, v, attn_mask=pairs, causal=True)  # int8 blocks; an empty row
     pos_q = jnp.tile(jnp.arange(160)[None] + 96, (2, 1))
     pos_k = jnp.tile(jnp.arange(256)[None], (2, 1))
     _compare(q, k, v, q_positions=pos_q, kv_positions=pos_k, window=(40, 0))
@@ -134,6 +136,50 @@ def test_alibi_against_reference(name):
     def jvp(attention):
         return jax.jit(lambda q, s: jax.jvp(lambda q, s: attention(q, k, v, alibi_slopes=s),
                                             (q, s), (jnp.cos(q), 0.3 * s))[1])(q, slopes)
+
+    (t_out, t_lse), (r_out, r_lse) = jvp(pallas), jvp(reference)
+    assert_close(t_out, r_out, kind="grad", name="jvp out")
+    assert_close(jnp.where(jnp.isfinite(lse), t_lse, 0.0),
+                 jnp.where(jnp.isfinite(lse), r_lse, 0.0), kind="grad", name="jvp lse")
+
+
+BIASES = {
+    "per query head and pair": dict(shape=(4, 200, 300)),
+    "per sequence and key, causal softcap": dict(shape=(2, 1, 1, 300), causal=True,
+                                                 softcap=3.0),
+    "per query, window": dict(shape=(200, 1), window=(60, 0)),
+}
+
+
+@pytest.mark.parametrize("name", list(BIASES))
+def test_bias_against_reference(name):
+    """A bias read block by block in each kernel (transposed for the dk/dv kernel), its
+    cotangent from the dq kernel summed where it broadcasts: values, lse, the gradients
+    of q, k, v and of the bias, and a jvp along q and the bias, against
+    `plain_attention` (GQA 4/2; 200 queries on 300 keys; blocks the band leaves empty
+    keep a zero cotangent)."""
+    case = dict(BIASES[name])
+    bias = jax.random.normal(jax.random.key(15), case.pop("shape"))
+    q, k, v = qkv(16, (2, 4, 200, 32), (2, 2, 300, 32))
+    pallas = functools.partial(flash_attention, **case, **PALLAS, **BLOCKS)
+    reference = functools.partial(plain_attention, **case)
+    out, lse = jax.jit(lambda b: pallas(q, k, v, bias=b))(bias)
+    ref_out, ref_lse = jax.jit(lambda b: reference(q, k, v, bias=b))(bias)
+    assert_close(out, ref_out, name="out")
+    assert_lse_close(lse, ref_lse, jnp.float32)
+
+    def grads(attention):
+        return jax.jit(jax.grad(lambda q, k, v, b: _loss(attention, q, k, v, bias=b),
+                                argnums=(0, 1, 2, 3)))(q, k, v, bias)
+
+    for label, a, b in zip(("dq", "dk", "dv", "d_bias"), grads(pallas), grads(reference),
+                           strict=True):
+        assert a.shape == b.shape
+        assert_close(a, b, kind="grad", name=label)
+
+    def jvp(attention):
+        return jax.jit(lambda q, b: jax.jvp(lambda q, b: attention(q, k, v, bias=b),
+                                            (q, b), (jnp.cos(q), jnp.sin(b)))[1])(q, bias)
 
     (t_out, t_lse), (r_out, r_lse) = jvp(pallas), jvp(reference)
     assert_close(t_out, r_out, kind="grad", name="jvp out")
@@ -219,15 +265,19 @@ def test_transforms_and_second_order():
 
 def test_uncovered_options_raise_when_asked_and_fall_back_by_default():
     q, k, v = qkv(6, (2, 64, 16), (2, 64, 16))
-    bias = jnp.zeros((2, 64, 64))
-    with pytest.raises(NotImplementedError, match="bias"):
-        flash_attention(q, k, v, bias=bias, **PALLAS)
+
+    def score_mod(score, b, h, i, j):
+        return score - 0.1 * jnp.abs(i - j).astype(score.dtype)
+
+    with pytest.raises(NotImplementedError, match="score_mod"):
+        flash_attention(q, k, v, score_mod=score_mod, **PALLAS)
     with pytest.raises(ValueError, match="kernels"):
         flash_attention(q, k, v, kernels="cuda")
-    out, _ = flash_attention(q, k, v, bias=bias)  # None: the xla family, silently
-    assert_close(out, plain_attention(q, k, v, bias=bias)[0])
-    family, reason = eqx_flash.kernel_family(q, k, v, bias=bias, kernels="pallas_tpu")
-    assert family is None and "bias" in reason
+    out, _ = flash_attention(q, k, v, score_mod=score_mod)  # None: the xla family, silently
+    assert_close(out, plain_attention(q, k, v, score_mod=score_mod)[0])
+    family, reason = eqx_flash.kernel_family(q, k, v, score_mod=score_mod,
+                                             kernels="pallas_tpu")
+    assert family is None and "score_mod" in reason
     family, reason = eqx_flash.kernel_family(q, k, v)
     expected = "pallas_tpu" if jax.default_backend() == "tpu" else "xla"
     assert family == expected and reason
@@ -256,7 +306,7 @@ def test_every_entry_point_takes_kernels():
 def test_inside_a_users_shard_map():
     """In `jax.shard_map` (check_vma=True, the default) the kernels' outputs vary over the
     mesh axes their inputs vary over (a `pallas_call` must be told): values, gradients
-    and tangents, batch-sharded with segment ids, and the ring strategy."""
+    and tangents, batch-sharded with segment ids, and the ring strategy (ALiBi, a bias)."""
     from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
 
@@ -275,11 +325,13 @@ def test_inside_a_users_shard_map():
     _compare_on(lambda q, k, v: attention(q, k, v, ids), q, k, v, **options)
     seq = P(None, None, "x")
     slopes = jnp.array([0.3, 0.1])  # ALiBi at the ring's global indices
+    bias = jax.random.normal(jax.random.key(12), (2, 1, 128))  # per head and key
     ring = jax.shard_map(
         lambda q, k, v: eqx_flash.ring_flash_attention(q, k, v, axis_name="x", causal=True,
-                                                       alibi_slopes=slopes, **PALLAS),
+                                                       alibi_slopes=slopes, bias=bias,
+                                                       **PALLAS),
         mesh=mesh, in_specs=(seq,) * 3, out_specs=(seq, seq))
-    _compare_on(ring, q, k, v, causal=True, alibi_slopes=slopes)
+    _compare_on(ring, q, k, v, causal=True, alibi_slopes=slopes, bias=bias)
 
 
 def _compare_on(attention, q, k, v, **options):

@@ -80,3 +80,37 @@ def test_row_tiles_of_partial_blocks_lower_to_mosaic_kernels():
                                     block_k=256, **PALLAS))
     exported = jax.export.export(fwd, platforms=("tpu",))(q, kv, kv)
     assert exported.mlir_module().count("tpu_custom_call") == 1
+
+
+@pytest.mark.parametrize("blocks", [BLOCKS, {}], ids=["blocks 64x128", "default blocks"])
+def test_bias_and_pair_masks_lower_to_mosaic_kernels(blocks):
+    """Per-pair blocks (a bias in each broadcast form, its cotangent written by the dq
+    kernel, its transposed layout in the dk/dv kernel; an `attn_mask` as int8 or int32)
+    at the odd shapes of `test_pallas_tpu.py`, exported for a TPU: the gradients of q,
+    k, v and the bias, and a jvp along q and the bias."""
+    q = jax.ShapeDtypeStruct((2, 4, 160, 32), jnp.float32)
+    kv = jax.ShapeDtypeStruct((2, 2, 300, 32), jnp.float32)
+    for shape in [(2, 4, 160, 300), (4, 1, 300), (160, 1), (2, 4, 1, 1)]:
+        bias = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+        flash = functools.partial(flash_attention, causal=True, **PALLAS, **blocks)
+
+        def grad(q, k, v, b, flash=flash):
+            return jax.grad(lambda q, k, v, b: _loss(functools.partial(flash, bias=b), q, k, v),
+                            argnums=(0, 1, 2, 3))(q, k, v, b)
+
+        def jvp(q, k, v, b, flash=flash):
+            return jax.jvp(lambda q, b: flash(q, k, v, bias=b)[0], (q, b), (q, b))
+
+        for fn, kernels in ((grad, 3), (jvp, 1)):  # grad: forward, dk/dv, dq
+            exported = jax.export.export(jax.jit(fn), platforms=("tpu",))(q, kv, kv, bias)
+            assert exported.mlir_module().count("tpu_custom_call") == kernels, (shape, kernels)
+    for shape in [(2, 4, 160, 300), (160, 300), (2, 1, 1, 300)]:
+        mask = jax.ShapeDtypeStruct(shape, jnp.bool_)
+        flash = functools.partial(flash_attention, **PALLAS, **blocks)
+
+        def grad_masked(q, k, v, m, flash=flash):
+            return jax.grad(lambda q, k, v: _loss(functools.partial(flash, attn_mask=m),
+                                                  q, k, v), argnums=(0, 1, 2))(q, k, v)
+
+        exported = jax.export.export(jax.jit(grad_masked), platforms=("tpu",))(q, kv, kv, mask)
+        assert "tpu_custom_call" in exported.mlir_module(), shape

@@ -16,7 +16,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array
 
-from ..._core.compat import varying_axes, varying_struct
+from ..._core.compat import pcast_varying, varying_axes, varying_struct
 from ._operands import BlockOperands
 from ._plan import Plan
 
@@ -25,34 +25,45 @@ _MIN_VMEM, _MAX_VMEM = 32 * 2**20, 100 * 2**20
 
 
 def planned_call(kernel: Callable[..., None], *, plan: Plan, operands: BlockOperands,
-                 grid: tuple[int, ...], in_specs: Sequence[Any], out_specs: Sequence[Any],
-                 outputs: Sequence[tuple[tuple[int, ...], Any]], scratch: Sequence[Any],
-                 semantics: tuple[Any, ...], vmem_bytes: int, name: str, interpret: bool
+                 blocks: tuple[int, int], grid: tuple[int, ...], in_specs: Sequence[Any],
+                 out_specs: Sequence[Any], outputs: Sequence[tuple[tuple[int, ...], Any]],
+                 scratch: Sequence[Any], semantics: tuple[Any, ...], vmem_bytes: int,
+                 name: str, interpret: bool, zeroed: Sequence[int] = ()
                  ) -> Callable[..., list[Array]]:
-    """`pallas_call(kernel)` for `plan`'s grid, taking the kernel's inputs and returning
-    its outputs (`outputs`: their shapes and dtypes); `vmem_bytes`: one step's estimate,
-    doubled for room."""
+    """`pallas_call(kernel)` for `plan`'s grid, taking the kernel's inputs (`in_specs`;
+    the operands' blocks of `blocks = (block_q, block_k)` follow) and returning its
+    outputs (`outputs`: their shapes and dtypes); `vmem_bytes`: one step's estimate
+    without the operands', doubled for room. The outputs numbered in `zeroed` start as
+    zeros (blocks no step writes stay 0): each is aliased to a zero input the kernel
+    sees, untouched in HBM, right after the operands' block refs."""
 
     def call(*inputs: Array) -> list[Array]:
         arrays = (*inputs, *operands.block_arrays, *operands.scalar_tables)
         axes = frozenset().union(*(varying_axes(x) for x in arrays))
-        limit = int(min(max(2 * vmem_bytes, _MIN_VMEM), _MAX_VMEM))
+        step_bytes = vmem_bytes + operands.vmem_bytes(*blocks)
+        limit = int(min(max(2 * step_bytes, _MIN_VMEM), _MAX_VMEM))
+        zeros = [jnp.zeros(*outputs[n]) for n in zeroed]
+        if axes:
+            zeros = [pcast_varying(z, tuple(axes)) for z in zeros]
+        first = 2 + len(operands.scalar_tables) + len(inputs) + len(operands.block_arrays)
         results = pl.pallas_call(
             kernel,
             grid_spec=pltpu.PrefetchScalarGridSpec(
                 num_scalar_prefetch=2 + len(operands.scalar_tables),
                 grid=grid,
-                in_specs=list(in_specs),
+                in_specs=[*in_specs, *operands.block_specs(*blocks),
+                          *(pl.BlockSpec(memory_space=pl.ANY) for _ in zeros)],
                 out_specs=list(out_specs),
                 scratch_shapes=list(scratch),
             ),
             out_shape=[varying_struct(shape, dtype, axes) for shape, dtype in outputs],
+            input_output_aliases={first + i: n for i, n in enumerate(zeroed)},
             compiler_params=pltpu.CompilerParams(dimension_semantics=semantics,
                                                  vmem_limit_bytes=limit),
             interpret=interpret,
             name=name,
         )(jnp.asarray(plan.kv_block), jnp.asarray(plan.flag), *operands.scalar_tables,
-          *inputs, *operands.block_arrays)
+          *inputs, *operands.block_arrays, *zeros)
         return list(results)
 
     return call

@@ -14,6 +14,10 @@ ALiBi's slopes (as the coefficient each query head's distance is multiplied by):
 distance is computed in the kernel from the tile's indices or positions, no bias array.
 Dropout's seed is one per query head (`_semantics.dropout.head_seed`), the rest of its
 hash computed per tile (`keep_for_head`): the same pattern as the XLA kernels'.
+Per-pair arrays (a bias, its tangent, an `attn_mask`; `_Pairs`) are read in blocks of
+their own, size 1 along every axis they broadcast over, so a bias per key or per head
+moves only what it holds; the dk/dv kernel reads them transposed from a copy laid out
+once per call (`_pair_layout`), and a mask travels as int8.
 
 The predicates are `_semantics.masking`'s own, evaluated on these block values, so the
 Pallas kernels, the XLA kernels and the reference agree on what attends.
@@ -54,10 +58,26 @@ class _Side:
 
 
 @dataclasses.dataclass(frozen=True)
+class _Pairs:
+    """A per-pair array (a bias, its tangent, an `attn_mask`): which of its `(batch,
+    kv_heads, groups, seq_q, seq_k)` axes are real (not broadcast). Its blocks are
+    `(g|1, bq|1, bk|1)`, or transposed `(g|1, bk|1, bq|1)` for the dk/dv kernel (the
+    array laid out `(.., seq_q / bq, seq_k, bq)` once in the wrapper: `_pair_layout`)."""
+
+    name: str
+    batch: bool
+    heads: bool
+    groups: int
+    queries: bool
+    keys: bool
+
+
+@dataclasses.dataclass(frozen=True)
 class BlockOperands:
-    """What a kernel reads besides q, k, v: `block_arrays` (one `_Side` each) and
-    `scalar_tables` (SMEM, named by `table_names`), and how a block's mask is made of
-    them. `transposed`: keys along the tile's rows (the dk/dv kernel)."""
+    """What a kernel reads besides q, k, v: `block_arrays` (one per `_Side`, then one per
+    `_Pairs`) and `scalar_tables` (SMEM, named by `table_names`), and how a block's mask
+    and score term are made of them. `transposed`: keys along the tile's rows (the dk/dv
+    kernel)."""
 
     sides: tuple[_Side, ...]
     block_arrays: tuple[Array, ...]
@@ -77,11 +97,56 @@ class BlockOperands:
     alibi_float: bool = False
     alibi_one_sided: bool = False
     dropout_rate: float = 0.0  # > 0: a table of per-head seeds ("dropout") applies
+    pairs: tuple[_Pairs, ...] = ()
+    bias_units: float = 1.0  # the bias in the logits' units before the cap
 
     def block_specs(self, block_q: int, block_k: int) -> list[pl.BlockSpec]:
         """BlockSpecs for a grid `(batch, kv head, outer block, step)` whose first scalar
         table is the plan's inner block per `(outer, step)`."""
-        return [_spec(side, block_q, block_k, self.transposed) for side in self.sides]
+        return ([_spec(side, block_q, block_k, self.transposed) for side in self.sides]
+                + [_pair_spec(p, block_q, block_k, self.transposed) for p in self.pairs])
+
+    def vmem_bytes(self, block_q: int, block_k: int) -> int:
+        """The double-buffered VMEM of the per-pair blocks (the one-sided ones are small)."""
+        return sum(2 * x.dtype.itemsize * p.groups * (block_q if p.queries else 1)
+                   * (block_k if p.keys else 1)
+                   for p, x in zip(self.pairs, self.block_arrays[len(self.sides):],
+                                   strict=True))
+
+    def has(self, name: str) -> bool:
+        return any(p.name == name for p in self.pairs)
+
+    def _pair(self, refs: Sequence[Any], name: str, group: int | None, keys: Any,
+              queries: Any) -> Array:
+        """The block of per-pair array `name`, its `keys`/`queries` slice of the block:
+        `(g|1, rows|1, cols|1)`, or `(bk|1, cols|1)` for one query head `group` when
+        `transposed`."""
+        n = next(i for i, p in enumerate(self.pairs) if p.name == name)
+        pair, ref = self.pairs[n], refs[len(self.sides) + n]
+        q_part = queries if pair.queries and queries is not None else slice(None)
+        k_part = keys if pair.keys and keys is not None else slice(None)
+        if self.transposed:
+            assert group is not None
+            return ref[group if pair.groups > 1 else 0, k_part, q_part]
+        value = ref[:, q_part, k_part]
+        return value if group is None else value[group if pair.groups > 1 else 0]
+
+    def pair_term(self, refs: Sequence[Any], name: str, tile: tuple[int, ...],
+                  group: int | None = None, keys: Any = None, queries: Any = None
+                  ) -> Array | None:
+        """A per-pair score term (`"bias"`, in the logits' units before the cap, or its
+        tangent `"bias_tangent"`, natural) as float32 on the tile: `(g * rows, cols)` for
+        the query heads folded into the rows of a `(g, rows, cols)` tile, or `tile` for
+        one query head `group` (None without the term)."""
+        if not self.has(name):
+            return None
+        x = self._pair(refs, name, group, keys, queries).astype(jnp.float32)
+        if name == "bias" and self.bias_units != 1.0:
+            x = x * jnp.float32(self.bias_units)
+        if group is not None:
+            return jnp.broadcast_to(x, tile)
+        g, rows, cols = tile
+        return jnp.broadcast_to(x, (g, rows, cols)).reshape(g * rows, cols)
 
     def table(self, tables: Sequence[Any], name: str) -> Any:
         return tables[self.table_names.index(name)]
@@ -104,7 +169,7 @@ class BlockOperands:
     def _values(self, refs: Sequence[Any], group: int | None, keys: Any = None,
                 queries: Any = None) -> dict[str, Array]:
         return {side.name: self._value(side, ref, group, keys, queries)
-                for side, ref in zip(self.sides, refs, strict=True)}
+                for side, ref in zip(self.sides, refs[:len(self.sides)], strict=True)}
 
     def _coordinates(self, tile: tuple[int, ...], q_start: Array, k_start: Array
                      ) -> tuple[Array, Array]:
@@ -211,6 +276,8 @@ class BlockOperands:
             mask = band
         if "key_mask" in values:
             mask = conj(mask, values["key_mask"] != 0)
+        if self.has("pair_mask"):
+            mask = conj(mask, self._pair(refs, "pair_mask", group, keys, queries) != 0)
         if "q_segment_ids" in values:
             mask = conj(mask, values["q_segment_ids"] == values["kv_segment_ids"])
         if self.has_positions:
@@ -243,6 +310,41 @@ def _spec(side: _Side, block_q: int, block_k: int, transposed: bool) -> pl.Block
     return pl.BlockSpec(shape, index_map)
 
 
+def _pair_spec(pair: _Pairs, block_q: int, block_k: int, transposed: bool) -> pl.BlockSpec:
+    """A per-pair array's block at the step's `(query block, key block)`: the plan's
+    inner block is the key block (forward, dq) or the query block (dk/dv)."""
+    bq, bk = (block_q if pair.queries else 1), (block_k if pair.keys else 1)
+
+    def index_map(bi, hi, outer, step, plan, *tables):
+        qb, kb = (plan[outer, step], outer) if transposed else (outer, plan[outer, step])
+        lead = (bi if pair.batch else 0, hi if pair.heads else 0, 0)
+        qi, ki = (qb if pair.queries else 0), (kb if pair.keys else 0)
+        return (*lead, qi, ki, 0) if transposed else (*lead, qi, ki)
+
+    if transposed:
+        return pl.BlockSpec((None, None, pair.groups, None, bk, bq), index_map)
+    return pl.BlockSpec((None, None, pair.groups, bq, bk), index_map)
+
+
+def _pair_layout(name: str, x: Array, transposed: bool, block_q: int
+                 ) -> tuple[_Pairs, Array]:
+    """A GRID per-pair array `(b|1, h|1, g|1, seq_q|1, seq_k|1)` as its kernel reads it:
+    as it is, or for the dk/dv kernel `(b|1, h|1, g|1, seq_q / bq | 1, seq_k|1, bq|1)`
+    (each query block's columns along the lanes, a whole trailing dimension at any
+    `bq`). A mask becomes int8 where its row blocks are whole int8 tiles, else int32."""
+    pair = _Pairs(name, x.shape[0] > 1, x.shape[1] > 1, x.shape[2], x.shape[3] > 1,
+                  x.shape[4] > 1)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        # A block's rows: keys (transposed, whole 128s) or queries.
+        whole_tiles = transposed or not pair.queries or block_q % 32 == 0
+        x = x.astype(jnp.bool_).astype(jnp.int8 if whole_tiles else jnp.int32)
+    if transposed:
+        *lead, seq_q, seq_k = x.shape
+        bq = block_q if pair.queries else 1
+        x = jnp.swapaxes(x.reshape(*lead, seq_q // bq, bq, seq_k), -1, -2)
+    return pair, x
+
+
 def lane_blocks(x: Array, block: int) -> Array:
     """`(..., seq)` as `(..., seq / block, 8, block)`: each block of positions along the
     lanes, repeated along the sublanes. A BlockSpec `(..., None, 8, block)` then reads
@@ -270,13 +372,13 @@ def _layout(name: str, x: Array, query: bool, transposed: bool, block: int
 
 def prepare(cfg: KernelConfig, ops: Operands, heads: tuple[int, ...], v: Array | None,
             transposed: bool = False, dv: Array | None = None,
-            alibi_units: float = 1.0, d_ops: Operands | None = None) -> BlockOperands:
+            term_units: float = 1.0, d_ops: Operands | None = None) -> BlockOperands:
     """The kernels' view of `ops` (padded, internal layout) for q's leading axes `heads`
     (batch, kv heads, query heads per kv head).
     With values `v` (and value tangents `dv`), also which keys hold a non-finite value
     (and tangent): wanted where some block is masked. ALiBi's slopes become
-    coefficients in `alibi_units` (the logits' units before the cap), their tangents in
-    `d_ops` coefficients in natural units."""
+    coefficients in `term_units` (the logits' units before the cap), as does a bias;
+    the tangents in `d_ops` (of the slopes and of a bias) stay in natural units."""
     parts: list[tuple[_Side, Array]] = []
 
     def add(name: str, x: Array, query: bool) -> None:
@@ -297,7 +399,7 @@ def prepare(cfg: KernelConfig, ops: Operands, heads: tuple[int, ...], v: Array |
         add("kv_index", ops.kv_index, False)
     tables: dict[str, Array] = {}
     if alibi is not None:
-        tables["alibi"] = _coefficients(ops.alibi_slopes, heads, -alibi_units)
+        tables["alibi"] = _coefficients(ops.alibi_slopes, heads, -term_units)
         if d_ops is not None and d_ops.alibi_slopes is not None:
             tables["alibi_tangent"] = _coefficients(d_ops.alibi_slopes, heads, -1.0)
     if ops.has_lengths:
@@ -310,7 +412,10 @@ def prepare(cfg: KernelConfig, ops: Operands, heads: tuple[int, ...], v: Array |
         per_head = flat_head_index(jnp.arange(b)[:, None], jnp.arange(h)[None, :], h, g)
         tables["dropout"] = jax.lax.bitcast_convert_type(
             head_seed(ops.dropout_seed, per_head.reshape(-1)), jnp.int32)
-    masks_data = bool(parts) or ops.has_lengths
+    pairs = [_pair_layout(name, x, transposed, cfg.block_q) for name, x in (
+        ("pair_mask", ops.pair_mask), ("bias", ops.bias),
+        ("bias_tangent", None if d_ops is None else d_ops.bias)) if x is not None]
+    masks_data = bool(parts) or ops.has_lengths or ops.pair_mask is not None
     if v is not None:
         bad = jnp.logical_not(jnp.all(jnp.isfinite(v), axis=-1))  # (b, h, seq_k)
         add("bad_key", bad[:, :, None, None, :], False)
@@ -321,13 +426,14 @@ def prepare(cfg: KernelConfig, ops: Operands, heads: tuple[int, ...], v: Array |
         by_block = bad.reshape(*bad.shape[:2], -1, cfg.block_k).any(axis=-1)
         tables["bad_block"] = by_block.reshape(-1).astype(jnp.int32)  # (b * h * num_k,)
     return BlockOperands(
-        tuple(side for side, _ in parts), tuple(x for _, x in parts),
+        tuple(side for side, _ in parts), tuple(x for _, x in parts + pairs),
         tuple(tables.values()), tuple(tables), transposed, ops.has_lengths, positions,
         masks_data, alibi,
         dropout_rate=cfg.dropout_rate if "dropout" in tables else 0.0,
         alibi_float=alibi == "indices" and max(cfg.padded_seq) + abs(cfg.score_offset) < 2**24,
         alibi_one_sided=(alibi == "indices" and cfg.band_window.right is not None
-                         and cfg.band_window.right <= 0 and cfg.score_offset == cfg.offset))
+                         and cfg.band_window.right <= 0 and cfg.score_offset == cfg.offset),
+        pairs=tuple(pair for pair, _ in pairs), bias_units=term_units)
 
 
 def _alibi_source(ops: Operands) -> str | None:

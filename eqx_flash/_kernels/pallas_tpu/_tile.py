@@ -138,6 +138,11 @@ def logits(cfg: KernelConfig, u: Units, a: Array, b: Array, stat, term: Array | 
     return s, t
 
 
+def add_terms(a: Array | None, b: Array | None) -> Array | None:
+    """The sum of two score terms, either of which may be absent (None)."""
+    return b if a is None else a if b is None else a + b
+
+
 def fold_heads(parts: list[Array]) -> Array:
     """One `(rows, cols)` tile per query head as the tile of the heads folded into its
     rows, `(g * rows, cols)` (the layout of the forward's and the dq kernel's logits)."""

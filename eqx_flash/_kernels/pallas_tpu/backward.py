@@ -8,8 +8,10 @@ query head, so that `dv += p^T dO` and `dk += ds^T q` are plain products, dk and
 accumulating in VMEM. The fused kernel also adds `ds k` into a dq for the whole head
 held in VMEM, written once when the head is done: five products per block pair instead
 of seven (`Tuning.fused_backward`, where dq fits). Otherwise a separate dq kernel walks
-the forward's plan. At masked pairs `ds` is set to 0, so a value that is not finite
-there reaches no gradient of a query that does not attend it (as the XLA kernels).
+the forward's plan; it also writes a bias's cotangent (`ds` itself, summed where the
+bias broadcasts), so a backward that wants one runs the two kernels. At masked pairs
+`ds` is set to 0, so a value that is not finite there reaches no gradient of a query
+that does not attend it (as the XLA kernels).
 
 Reading order: `backward` -> `_dkv_call` (fused or not) / `_dq_call` -> their kernels.
 """
@@ -20,6 +22,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array
@@ -38,6 +41,7 @@ from ._tile import (
     TN,
     Tuning,
     Units,
+    add_terms,
     dot,
     lanes,
     logits,
@@ -66,23 +70,35 @@ def backward(cfg: KernelConfig, q: Array, k: Array, v: Array, ops: Operands, lse
     # lse in the kernel's units, so that `p = exp(s - lse)` needs no conversion per pair.
     lse_u, delta = u.from_natural(lse.astype(stat)), delta.astype(stat)
     dkv_ops = prepare(cfg, ops, q.shape[:3], v if masked else None, transposed=True,
-                      alibi_units=u.before_cap)
+                      term_units=u.before_cap)
     dq_bytes = g * seq_q * d * (4 + 2 * q.dtype.itemsize)
-    fused = tuning.fused_backward and dq_bytes <= FUSED_DQ_BYTES
+    # A bias's cotangent is `ds` itself, summed where the bias broadcasts: the dq kernel
+    # has it in the bias's own layout, queries along the rows.
+    d_bias_wanted = ops.bias is not None and bool(wanted.bias)
+    fused = tuning.fused_backward and dq_bytes <= FUSED_DQ_BYTES and not d_bias_wanted
     slopes = ops.alibi_slopes is not None and wanted.alibi_slopes is not None
     call = functools.partial(_dkv_call, cfg, bwd_plan, dkv_ops, u, tuning.backward_chunk(cfg),
                              fused, slopes)
     results = list(on_tpu_or_interpreted(call, q_in, k, v, d_out, lse_u, delta))
     d_slopes = results.pop() if slopes else None
+    d_bias = None
     if fused:
         d_q, d_k, d_v = results
     else:
         d_k, d_v = results
         dq_ops = prepare(cfg, ops, q.shape[:3], v if masked else None,
-                         alibi_units=u.before_cap)
-        d_q = on_tpu_or_interpreted(functools.partial(_dq_call, cfg, fwd_plan, dq_ops, u),
-                                    q_in, k, v, d_out, lse_u, delta)
+                         term_units=u.before_cap)
+        d_q, d_bias = on_tpu_or_interpreted(
+            functools.partial(_dq_call, cfg, fwd_plan, dq_ops, u, d_bias_wanted),
+            q_in, k, v, d_out, lse_u, delta)
     d_ops = jax.tree.map(lambda _: None, differentiable_part(ops))
+    if d_bias_wanted:
+        like = ops.bias
+        assert d_bias is not None and like is not None
+        # Per (batch, kv head) and per block wherever the bias broadcasts over a
+        # sequence (`_bias_cotangent`): summed over those blocks here.
+        d_ops = dataclasses.replace(d_ops, bias=reduce_to(
+            "bias", d_bias.sum(axis=(2, 3)), like))
     if d_slopes is not None:
         # `sum(ds * distance)` per (batch, kv head, key block, query head, lane): the
         # slopes' cotangent is minus its total (the term is `-slope * distance`).
@@ -104,6 +120,12 @@ def _ds(p, dp, delta, t, mask):
     if mask is not None:
         ds = jnp.where(mask, ds, 0.0)
     return ds
+
+
+def _summed_to(x: Array, shape: tuple[int, ...]) -> Array:
+    """`x` summed over the axes where `shape` is 1 (a broadcast operand's cotangent)."""
+    axes = tuple(a for a, n in enumerate(shape) if n == 1 and x.shape[a] != 1)
+    return jnp.sum(x, axis=axes, keepdims=True) if axes else x
 
 
 def _by_flag(flag, operands: BlockOperands, step) -> None:
@@ -148,7 +170,6 @@ def _dkv_call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units,
         pl.BlockSpec((None, None, g, bq, dv), q_map),
         pl.BlockSpec((None, None, g, None, SUBLANES, bq), row_map),
         pl.BlockSpec((None, None, g, None, SUBLANES, bq), row_map),
-        *operands.block_specs(bq, bk),
     ]
     out_specs = [pl.BlockSpec((None, None, bk, d), kv_map),
                  pl.BlockSpec((None, None, bk, dv), kv_map)]
@@ -172,7 +193,8 @@ def _dkv_call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units,
     kernel = functools.partial(_dkv_kernel, cfg=cfg, operands=operands, u=u, chunk=chunk,
                                steps=steps, fused=fused, slopes=slopes)
     return planned_call(
-        kernel, plan=plan, operands=operands, grid=(b, h, num_k, steps), in_specs=in_specs,
+        kernel, plan=plan, operands=operands, blocks=(bq, bk), grid=(b, h, num_k, steps),
+        in_specs=in_specs,
         out_specs=out_specs, outputs=outputs, scratch=scratch, semantics=semantics,
         vmem_bytes=blocks,
         name="eqx_flash_backward_fused" if fused else "eqx_flash_backward_dkv",
@@ -230,6 +252,8 @@ def _dkv_kernel(q_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: Block
                                                        j * bk, (bk, chunk), group,
                                                        queries=queries)
                     term = coefficients[group] * jnp.broadcast_to(distance, (bk, chunk))
+                term = add_terms(term, operands.pair_term(operand_refs, "bias", (bk, chunk),
+                                                          group, queries=queries))
                 st, t = logits(cfg, u, k, q, stat, term)  # (bk, chunk)
                 mask = operands.mask(cfg, operand_refs, tables, bi, qb * bq + c * chunk,
                                      j * bk, (bk, chunk), positional, group,
@@ -274,8 +298,29 @@ def _dkv_kernel(q_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: Block
 # dq alone: per query block, its key blocks (the forward's plan).
 
 
-def _dq_call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units, q, k, v,
-             d_out, lse, delta, *, interpret: bool):
+def _bias_cotangent(operands: BlockOperands, cfg: KernelConfig, b: int, h: int
+                    ) -> tuple[tuple[int | None, ...], Any, tuple[int, ...]]:
+    """Where the dq kernel writes a bias's cotangent (block shape, index map) and its
+    shape: `(b, h, nq|1, nk|1, g|1, seq_q|1, seq_k|1)`, a block per step; along a
+    sequence the bias broadcasts over, each block's sum on an axis of its own (`nq`,
+    `nk`), so that no block is written twice."""
+    pair = next(p for p in operands.pairs if p.name == "bias")
+    (seq_q, seq_k), bq, bk = cfg.padded_seq, cfg.block_q, cfg.block_k
+    shape = (b, h, 1 if pair.queries else seq_q // bq, 1 if pair.keys else seq_k // bk,
+             pair.groups, seq_q if pair.queries else 1, seq_k if pair.keys else 1)
+
+    def index_map(bi, hi, i, s, kv_block, *tables):
+        kb = kv_block[i, s]
+        q_at, k_at = (0, i) if pair.queries else (i, 0), (0, kb) if pair.keys else (kb, 0)
+        return bi, hi, q_at[0], k_at[0], 0, q_at[1], k_at[1]
+
+    block = (None, None, None, None, pair.groups, bq if pair.queries else 1,
+             bk if pair.keys else 1)
+    return block, index_map, shape
+
+
+def _dq_call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units,
+             d_bias_wanted: bool, q, k, v, d_out, lse, delta, *, interpret: bool):
     b, h, g, seq_q, d = q.shape
     dv = v.shape[-1]
     bq, bk = cfg.block_q, cfg.block_k
@@ -296,27 +341,42 @@ def _dq_call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units, q
         pl.BlockSpec((None, None, g, bq, dv), q_map),
         pl.BlockSpec((None, None, g, bq, LANES), q_map),
         pl.BlockSpec((None, None, g, bq, LANES), q_map),
-        *operands.block_specs(bq, bk),
     ]
     item = q.dtype.itemsize
     rows = g * bq
     blocks = (2 * item * (rows * (d + dv) + bk * (d + dv) + rows * d)
               + 4 * (rows * d + 4 * rows * bk + 4 * rows * LANES))
-    kernel = functools.partial(_dq_kernel, cfg=cfg, operands=operands, u=u, steps=steps)
-    (d_q,) = planned_call(
-        kernel, plan=plan, operands=operands, grid=(b, h, num_q, steps), in_specs=in_specs,
-        out_specs=[pl.BlockSpec((None, None, g, bq, d), q_map)],
-        outputs=[(q.shape, q.dtype)], scratch=[pltpu.VMEM((rows, d), stat)],
+    out_specs = [pl.BlockSpec((None, None, g, bq, d), q_map)]
+    outputs = [(q.shape, q.dtype)]
+    zeroed: tuple[int, ...] = ()
+    if d_bias_wanted:
+        block, index_map, shape = _bias_cotangent(operands, cfg, b, h)
+        out_specs.append(pl.BlockSpec(block, index_map))
+        outputs.append((shape, jnp.float32))
+        blocks += 2 * 4 * int(np.prod([n for n in block if n is not None]))
+        # Blocks of pairs the plan never visits (an empty band) stay zero.
+        num_k = cfg.padded_seq[1] // bk
+        if int(np.sum(plan.flag != 0)) < num_q * num_k:
+            zeroed = (1,)
+    kernel = functools.partial(_dq_kernel, cfg=cfg, operands=operands, u=u, steps=steps,
+                               zeroed=len(zeroed))
+    results = planned_call(
+        kernel, plan=plan, operands=operands, blocks=(bq, bk), grid=(b, h, num_q, steps),
+        in_specs=in_specs, out_specs=out_specs, outputs=outputs,
+        scratch=[pltpu.VMEM((rows, d), stat)],
         semantics=("parallel", "parallel", "parallel", "arbitrary"), vmem_bytes=blocks,
-        name="eqx_flash_backward_dq", interpret=interpret)(q, k, v, d_out, *columns)
-    return d_q
+        name="eqx_flash_backward_dq", interpret=interpret, zeroed=zeroed,
+    )(q, k, v, d_out, *columns)
+    return results[0], results[1] if d_bias_wanted else None
 
 
 def _dq_kernel(kv_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: BlockOperands,
-               u: Units, steps: int):
+               u: Units, steps: int, zeroed: int):
     tables, (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), operand_refs, rest = split_refs(
         refs, operands, 6)
-    dq_ref, acc_ref = rest
+    rest = rest[zeroed:]  # (the zero inputs behind the aliased outputs)
+    dq_ref, *d_bias, acc_ref = rest
+    d_bias_ref = d_bias[0] if d_bias else None
     bi, hi, i, s = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
     g, bq, d = q_ref.shape
     bk, dv = v_ref.shape
@@ -328,12 +388,18 @@ def _dq_kernel(kv_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: Block
 
     flag, kb = flag_ref[i, s], kv_block_ref[i, s]
 
+    if d_bias_ref is not None:
+        @pl.when((s == 0) & (flag == 0))
+        def _no_keys():  # a query block the plan gives no key block: its block is zero
+            d_bias_ref[...] = jnp.zeros(d_bias_ref.shape, d_bias_ref.dtype)
+
     def step(positional):
         term = None
         if operands.alibi is not None:
             distance = operands.alibi_distance(cfg, operand_refs, i * bq, kb * bk, (1, bq, bk))
             term = per_head_term(operands.alibi_coefficients(
                 tables, bi, hi, pl.num_programs(1), g), distance)
+        term = add_terms(term, operands.pair_term(operand_refs, "bias", (g, bq, bk)))
         sc, t = logits(cfg, u, q_ref[...].reshape(rows, d), k_ref[...], stat, term)
         mask = operands.mask(cfg, operand_refs, tables, bi, i * bq, kb * bk, (1, bq, bk),
                              positional)
@@ -351,6 +417,9 @@ def _dq_kernel(kv_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: Block
         ds = _ds(p, dp, delta, t, full_mask)
         k = k_ref[...]
         acc_ref[...] += dot(ds.astype(k.dtype), k, NN, stat)
+        if d_bias_ref is not None:
+            # (`ds` is the cotangent of the natural pre-cap logits, where the bias adds.)
+            d_bias_ref[...] = _summed_to(ds.reshape(g, bq, bk), d_bias_ref.shape)
 
     _by_flag(flag, operands, step)
 

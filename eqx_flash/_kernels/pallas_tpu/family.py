@@ -44,8 +44,6 @@ def covers(cfg: KernelConfig, call: Call) -> str | None:
     ops = call.ops
     unsupported = [
         (cfg.split_k, "few queries against many keys (the xla family's split-K kernel)"),
-        (ops.pair_mask is not None, "attn_mask (a dense pair mask)"),
-        (ops.bias is not None, "bias"),
         (call.score_mod, "score_mod"),
         (call.mask_mod or ops.block_flags is not None, "mask_mod / block_mask"),
         (jnp.dtype(call.dtype) == jnp.float64, "float64 inputs (a TPU has no float64)"),

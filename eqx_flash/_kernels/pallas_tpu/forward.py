@@ -33,6 +33,7 @@ from ._tile import (
     NN,
     Tuning,
     Units,
+    add_terms,
     dot,
     lanes,
     logits,
@@ -52,7 +53,7 @@ def forward(cfg: KernelConfig, q: Array, k: Array, v: Array, ops: Operands,
     plan = forward_plan(cfg)
     masked = plan.any_partial or ops.has_data_mask or ops.has_positions
     u = units(cfg, q.dtype, tuning)
-    operands = prepare(cfg, ops, q.shape[:3], v if masked else None, alibi_units=u.before_cap)
+    operands = prepare(cfg, ops, q.shape[:3], v if masked else None, term_units=u.before_cap)
     call = functools.partial(_call, cfg, plan, operands, u, tuning.forward_chunk(cfg.block_k),
                              tuning.partial_split(cfg.block_q))
     return on_tpu_or_interpreted(call, prepared_queries(q, u), k, v)
@@ -78,7 +79,6 @@ def _call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units,
         pl.BlockSpec((None, None, g, bq, d), q_map),
         pl.BlockSpec((None, None, bk, d), kv_map),
         pl.BlockSpec((None, None, bk, dv), kv_map),
-        *operands.block_specs(bq, bk),
     ]
     out_specs = [
         pl.BlockSpec((None, None, g, bq, dv), q_map),
@@ -93,7 +93,8 @@ def _call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units,
     kernel = functools.partial(_kernel, cfg=cfg, operands=operands, u=u, chunk=chunk,
                                split=split, steps=steps)
     out, lse, max_score = planned_call(
-        kernel, plan=plan, operands=operands, grid=(b, h, num_q, steps), in_specs=in_specs,
+        kernel, plan=plan, operands=operands, blocks=(bq, bk), grid=(b, h, num_q, steps),
+        in_specs=in_specs,
         out_specs=out_specs, outputs=outputs, scratch=scratch,
         semantics=("parallel", "parallel", "parallel", "arbitrary"),
         vmem_bytes=_vmem_bytes(rows, bk, d, dv, q.dtype), name="eqx_flash_forward",
@@ -198,6 +199,8 @@ def _tile(*, r0: int, n: int, keys, k_start, band: bool | Array, cfg: KernelConf
                                            queries=None if whole_rows else rows)
         term = per_head_term(operands.alibi_coefficients(tables, bi, hi, pl.num_programs(1),
                                                          g), distance)
+    term = add_terms(term, operands.pair_term(operand_refs, "bias", (g, n, chunk), keys=keys,
+                                              queries=None if whole_rows else rows))
     s, _ = logits(cfg, u, q, k, stat, term)  # (g * n, chunk)
     mask = operands.mask(cfg, operand_refs, tables, bi, q_block_start + r0, k_start,
                          (1, n, chunk), band, keys=keys,

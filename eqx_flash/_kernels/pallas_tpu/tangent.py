@@ -30,6 +30,7 @@ from ._tile import (
     NT,
     Tuning,
     Units,
+    add_terms,
     dot,
     lanes,
     logits,
@@ -46,12 +47,12 @@ def forward_and_tangent(cfg: KernelConfig, q: Array, k: Array, v: Array, ops: Op
                         ) -> tuple[Array, Array, Array, Array, Array]:
     """The family contract's `forward_and_tangent`: `(out, lse, max_score, d_out,
     d_lse)` for tangents `dq`, `dk`, `dv` (None: zero) and `d_ops` (of the operands
-    the family covers: ALiBi's slopes)."""
+    the family covers: ALiBi's slopes, a bias)."""
     plan = forward_plan(cfg)
     masked = plan.any_partial or ops.has_data_mask or ops.has_positions
     u = units(cfg, q.dtype, tuning)
     operands = prepare(cfg, ops, q.shape[:3], v if masked else None,
-                       dv=dv if masked else None, alibi_units=u.before_cap, d_ops=d_ops)
+                       dv=dv if masked else None, term_units=u.before_cap, d_ops=d_ops)
     has = (dq is not None, dk is not None, dv is not None)
     arrays = [prepared_queries(q, u), k, v] + [x for x in (dq, dk, dv) if x is not None]
     call = functools.partial(_call, cfg, plan, operands, u,
@@ -81,7 +82,6 @@ def _call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units, chun
         pl.BlockSpec((None, None, bk, d), kv_map),
         pl.BlockSpec((None, None, bk, dv_dim), kv_map),
         *tangent_specs,
-        *operands.block_specs(bq, bk),
     ]
     rows = g * bq
     out_specs = [pl.BlockSpec((None, None, g, bq, dv_dim), q_map),
@@ -98,7 +98,8 @@ def _call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units, chun
     kernel = functools.partial(_kernel, cfg=cfg, operands=operands, u=u, chunk=chunk,
                                steps=steps, has=has)
     out, lse, max_score, d_out, d_lse = planned_call(
-        kernel, plan=plan, operands=operands, grid=(b, h, num_q, steps), in_specs=in_specs,
+        kernel, plan=plan, operands=operands, blocks=(bq, bk), grid=(b, h, num_q, steps),
+        in_specs=in_specs,
         out_specs=out_specs, outputs=outputs, scratch=scratch,
         semantics=("parallel", "parallel", "parallel", "arbitrary"),
         vmem_bytes=_vmem_bytes(2 * rows, 2 * bk, d, 2 * dv_dim, q.dtype),
@@ -153,6 +154,8 @@ def _kernel(kv_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: BlockOpe
                                                    kb * bk + c * chunk, (1, bq, chunk),
                                                    keys=keys)
                 score_term = per_head_term(alibi, distance)
+            score_term = add_terms(score_term, operands.pair_term(
+                operand_refs, "bias", (g, bq, chunk), keys=keys))
             sc, t = logits(cfg, u, q, k, stat, score_term)
             # dS in natural units: the queries carry `u.fold` of the scale.
             ds = None
@@ -163,8 +166,9 @@ def _kernel(kv_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: BlockOpe
                 ds = term if ds is None else ds + term
             if d_alibi is not None:
                 assert distance is not None
-                term = per_head_term(d_alibi, distance)
-                ds = term if ds is None else ds + term
+                ds = add_terms(ds, per_head_term(d_alibi, distance))
+            ds = add_terms(ds, operands.pair_term(operand_refs, "bias_tangent",
+                                                  (g, bq, chunk), keys=keys))
             if ds is not None and t is not None:
                 ds = ds * (1.0 - t * t)
             mask = operands.mask(cfg, operand_refs, tables, bi, i * bq, kb * bk + c * chunk,
