@@ -73,11 +73,12 @@ for s in $STEPS; do
             step main "${MAIN_SECONDS:-120}" "$OUT/main.txt" \
                 "$PYTHON" -m eqx_flash ${MAIN_ARGS:-} ;;
         tests)
-            # EQX_FLASH_TEST_OLD_EMITTERS=0: skip conftest's probe of a CPU-only XLA flag;
+            # EQX_FLASH_TEST_OLD_EMITTERS=0, EQX_FLASH_TEST_SERIAL_CODEGEN=0: skip conftest's
+            # probes of CPU-only XLA flags;
             # EQX_FLASH_TEST_FAST_COMPILE=1 (default here): XLA's optimisations off, as on CPU.
             # shellcheck disable=SC2086
             step tests "${TESTS_SECONDS:-240}" "$OUT/tests.txt" \
-                env EQX_FLASH_TEST_OLD_EMITTERS=0 \
+                env EQX_FLASH_TEST_OLD_EMITTERS=0 EQX_FLASH_TEST_SERIAL_CODEGEN=0 \
                 EQX_FLASH_TEST_FAST_COMPILE="${EQX_FLASH_TEST_FAST_COMPILE:-1}" \
                 "$PYTHON" -m pytest -o addopts="" -p no:cacheprovider -q -rs -m accelerator \
                 --jaxtyping-packages=eqx_flash,beartype.beartype --durations=15 \
