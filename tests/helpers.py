@@ -268,7 +268,7 @@ _CI_EXAMPLES = 15
 
 
 def examples(n: int) -> settings:
-    """`n` examples at the `ci` profile's scale, scaled with the loaded profile (`ci`: 8
+    """`n` examples at the `ci` profile's scale, scaled with the loaded profile (`ci`: 6
     of 15; `dev`: 200 of 15), at least 2; no deadline."""
     scaled = round(n * settings().max_examples / _CI_EXAMPLES)
     return settings(max_examples=max(2, scaled), deadline=None)

@@ -132,3 +132,20 @@ def test_second_order_hands_mosaic_kernels_to_the_xla_family():
     assert dispatch.differentiable(cfg) == dataclasses.replace(cfg, family="xla")
     xla = dispatch.choose(_call(**BLOCKS), "xla")
     assert dispatch.differentiable(xla) is xla
+
+
+def test_none_passes_over_what_a_family_has_not_run_on_its_device(monkeypatch):
+    """Where the Pallas kernels come first (one TPU, simulated here), `kernels=None`
+    keeps the pure-JAX kernels for what the Pallas family covers but a TPU has not yet
+    compiled (`KernelFamily.untried`: a bias, an `attn_mask`), and says why; asked for by
+    name, the Pallas kernels run it."""
+    monkeypatch.setattr(dispatch, "default_order", lambda machine: ("pallas_tpu", "xla"))
+    with_bias = _call(bias=jnp.zeros((20, 28)))
+    assert dispatch.choose(_call()).family == "pallas_tpu"
+    assert dispatch.choose(with_bias).family == "xla"
+    assert dispatch.choose(with_bias, "pallas_tpu").family == "pallas_tpu"
+    family, reason = dispatch.why(with_bias)
+    assert family == "xla" and "bias" in reason and "not yet compiled" in reason
+    masked = _call(attn_mask=jnp.ones((20, 28), bool))
+    assert dispatch.choose(masked).family == "xla"
+    assert dispatch.why(masked, "pallas_tpu")[0] == "pallas_tpu"

@@ -62,8 +62,10 @@ d_lse)`: both in one pass (`jax.jvp` where nothing is transposed).
 **Split-K forward**: a `ForwardKernel` for few queries against many keys, run where the
 configuration says so (`KernelConfig.split_k`; its derivatives are the regular ones).
 
-A family also says which calls it runs (`Covers`: the reason it does not, or None) and
-may resolve its own configuration (`Configure`; None: xla's block policy).
+A family also says which calls it runs (`Covers`: the reason it does not, or None),
+which of those the default choice should pass over until they have run on the family's
+device (`Untried`), and may resolve its own configuration (`Configure`; None: xla's
+block policy).
 """
 
 from typing import NamedTuple, Protocol
@@ -132,6 +134,12 @@ class Covers(Protocol):
     def __call__(self, cfg: KernelConfig, call: Call, /) -> str | None: ...
 
 
+class Untried(Protocol):
+    """Why `kernels=None` passes over a call the family covers (None: it does not)."""
+
+    def __call__(self, call: Call, /) -> str | None: ...
+
+
 class Configure(Protocol):
     """The `KernelConfig` of a call for a family: block sizes (an explicit `block_q`/
     `block_k` honoured, `_core.config.choose_block`), scale, split-K (only where
@@ -155,6 +163,9 @@ class KernelFamily(NamedTuple):
     # Whether JAX can differentiate the kernels themselves (second order differentiates
     # the first-order kernels; `dispatch.differentiable` swaps in xla's where not).
     differentiable: bool = True
+    # What the family covers but has not yet run on its device (compiled and timed there):
+    # `kernels=None` passes such a call on, saying why; an explicit request runs it.
+    untried: Untried | None = None
 
 
 class Kernels(NamedTuple):

@@ -55,13 +55,26 @@ def choose(call: Call, kernels: str | None = None, *, split_k: bool = True) -> K
     facts = machine()
     for name in default_order(facts) if kernels is None else (kernels,):
         cfg = _configured(name, call, facts, split_k)
-        reason = FAMILIES[name].covers(cfg, call)
+        reason = _passed_over(name, cfg, call, kernels)
         if reason is None:
             return cfg
         if kernels is not None:
             raise NotImplementedError(
                 f"kernels={kernels!r} does not cover this call: {reason}")
     raise AssertionError("the xla family covers every call")
+
+
+def _passed_over(name: str, cfg: KernelConfig, call: Call, kernels: str | None
+                 ) -> str | None:
+    """Why family `name` does not run `call` (None: it does): what it does not cover, or,
+    for `kernels=None`, what it covers but has not yet run on its device."""
+    family = FAMILIES[name]
+    reason = family.covers(cfg, call)
+    if reason is None and kernels is None and family.untried is not None:
+        untried = family.untried(call)
+        if untried is not None:
+            reason = f"{untried} (run them with kernels={name!r})"
+    return reason
 
 
 def why(call: Call, kernels: str | None = None) -> tuple[str | None, str]:
@@ -75,8 +88,8 @@ def why(call: Call, kernels: str | None = None) -> tuple[str | None, str]:
         return cfg.family, f"kernels={kernels!r} was asked for, and it covers the call"
     facts = machine()
     order = default_order(facts)
-    passed = [f"{name} does not cover it: "
-              f"{FAMILIES[name].covers(_configured(name, call, facts), call)}"
+    passed = [f"{name} passes it over: "
+              f"{_passed_over(name, _configured(name, call, facts), call, None)}"
               for name in order[: order.index(cfg.family)]]
     if passed:
         return cfg.family, "; ".join(passed)

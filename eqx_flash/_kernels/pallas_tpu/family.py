@@ -54,6 +54,17 @@ def covers(cfg: KernelConfig, call: Call) -> str | None:
     return None if not reasons else "; ".join(reasons)
 
 
+def untried(call: Call) -> str | None:
+    """What the kernels cover but a TPU has not yet compiled and timed: `kernels=None`
+    keeps the pure-JAX kernels for it until then."""
+    ops = call.ops
+    named = [name for name, x in (("bias", ops.bias), ("attn_mask", ops.pair_mask))
+             if x is not None]
+    if named:
+        return f"{' and '.join(named)} in the Pallas kernels are not yet compiled on a TPU"
+    return None
+
+
 def _lanes(dim: int) -> int:
     return dim if dim == 64 or dim % 128 == 0 else -(-dim // 128) * 128
 
@@ -102,4 +113,5 @@ FAMILY = KernelFamily(
     forward_and_tangent=forward_and_tangent,
     configure=configure,
     differentiable=False,
+    untried=untried,
 )
