@@ -118,29 +118,7 @@ def test_alibi_against_reference(name):
     if positions:  # a chunk of queries after 100 cached keys, in two packed rows
         case.update(q_positions=jnp.tile(jnp.arange(100, 300)[None], (2, 1)),
                     kv_positions=jnp.tile(jnp.arange(300)[None], (2, 1)))
-    pallas = functools.partial(flash_attention, **case, **PALLAS, **BLOCKS)
-    reference = functools.partial(plain_attention, **case)
-    out, lse = jax.jit(lambda s: pallas(q, k, v, alibi_slopes=s))(slopes)
-    ref_out, ref_lse = jax.jit(lambda s: reference(q, k, v, alibi_slopes=s))(slopes)
-    assert_close(out, ref_out, name="out")
-    assert_lse_close(lse, ref_lse, jnp.float32)
-
-    def grads(attention):
-        return jax.jit(jax.grad(lambda q, k, v, s: _loss(attention, q, k, v, alibi_slopes=s),
-                                argnums=(0, 1, 2, 3)))(q, k, v, slopes)
-
-    for label, a, b in zip(("dq", "dk", "dv", "d_slopes"), grads(pallas), grads(reference),
-                           strict=True):
-        assert_close(a, b, kind="grad", name=label)
-
-    def jvp(attention):
-        return jax.jit(lambda q, s: jax.jvp(lambda q, s: attention(q, k, v, alibi_slopes=s),
-                                            (q, s), (jnp.cos(q), 0.3 * s))[1])(q, slopes)
-
-    (t_out, t_lse), (r_out, r_lse) = jvp(pallas), jvp(reference)
-    assert_close(t_out, r_out, kind="grad", name="jvp out")
-    assert_close(jnp.where(jnp.isfinite(lse), t_lse, 0.0),
-                 jnp.where(jnp.isfinite(lse), r_lse, 0.0), kind="grad", name="jvp lse")
+    _compare_with_array(q, k, v, case, "alibi_slopes", slopes, 0.3 * slopes)
 
 
 BIASES = {
@@ -161,31 +139,36 @@ def test_bias_against_reference(name):
     case = dict(BIASES[name])
     bias = jax.random.normal(jax.random.key(15), case.pop("shape"))
     q, k, v = qkv(16, (2, 4, 200, 32), (2, 2, 300, 32))
+    _compare_with_array(q, k, v, case, "bias", bias, jnp.sin(bias))
+
+def _compare_with_array(q, k, v, case, argument, x, tangent):
+    """`flash_attention(..., argument=x)` with the Pallas kernels against
+    `plain_attention`: values, lse, the gradients of q, k, v and of `x` (in its own
+    shape), and a jvp along q and `x` (tangents `cos(q)` and `tangent`)."""
     pallas = functools.partial(flash_attention, **case, **PALLAS, **BLOCKS)
     reference = functools.partial(plain_attention, **case)
-    out, lse = jax.jit(lambda b: pallas(q, k, v, bias=b))(bias)
-    ref_out, ref_lse = jax.jit(lambda b: reference(q, k, v, bias=b))(bias)
+    out, lse = jax.jit(lambda x: pallas(q, k, v, **{argument: x}))(x)
+    ref_out, ref_lse = jax.jit(lambda x: reference(q, k, v, **{argument: x}))(x)
     assert_close(out, ref_out, name="out")
     assert_lse_close(lse, ref_lse, jnp.float32)
 
     def grads(attention):
-        return jax.jit(jax.grad(lambda q, k, v, b: _loss(attention, q, k, v, bias=b),
-                                argnums=(0, 1, 2, 3)))(q, k, v, bias)
+        return jax.jit(jax.grad(lambda q, k, v, x: _loss(attention, q, k, v, **{argument: x}),
+                                argnums=(0, 1, 2, 3)))(q, k, v, x)
 
-    for label, a, b in zip(("dq", "dk", "dv", "d_bias"), grads(pallas), grads(reference),
-                           strict=True):
+    for label, a, b in zip(("dq", "dk", "dv", f"d_{argument}"), grads(pallas),
+                           grads(reference), strict=True):
         assert a.shape == b.shape
         assert_close(a, b, kind="grad", name=label)
 
     def jvp(attention):
-        return jax.jit(lambda q, b: jax.jvp(lambda q, b: attention(q, k, v, bias=b),
-                                            (q, b), (jnp.cos(q), jnp.sin(b)))[1])(q, bias)
+        return jax.jit(lambda q, x: jax.jvp(lambda q, x: attention(q, k, v, **{argument: x}),
+                                            (q, x), (jnp.cos(q), tangent))[1])(q, x)
 
     (t_out, t_lse), (r_out, r_lse) = jvp(pallas), jvp(reference)
     assert_close(t_out, r_out, kind="grad", name="jvp out")
     assert_close(jnp.where(jnp.isfinite(lse), t_lse, 0.0),
                  jnp.where(jnp.isfinite(lse), r_lse, 0.0), kind="grad", name="jvp lse")
-
 
 @pytest.mark.parametrize("options", [dict(), dict(causal=True, softcap=3.0)],
                          ids=["GQA", "causal softcap"])
