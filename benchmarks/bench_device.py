@@ -160,7 +160,7 @@ class Impl:
 
     label: str
     layout: str
-    make: Callable[[Config, int, bool, int | None], Callable[..., Any]]
+    make: Callable[[Config, int, bool, int | None], Any]  # attend(q, k, v) or a WithArrays
     blocks: tuple[int | None, ...] = (None,)
 
 
@@ -174,9 +174,18 @@ FEATURES: dict[str, Callable[[Config, int], dict[str, Any]]] = {
     "bias": lambda config, seq: {"bias": 0.1 * jax.random.normal(
         jax.random.key(1), (config.heads, seq, seq), jnp.bfloat16)},
 }
-# Features whose array is trained: fwd+bwd takes its gradient too (tied to q by a zero
-# multiple of one of its elements, so that `jax.grad` of q, k, v reaches it in full).
+# Features whose array is trained: the array is an input of the timed program (after q, k, v),
+# and fwd+bwd takes its gradient too.
 TRAINED = {"bias"}
+
+
+@dataclasses.dataclass(frozen=True)
+class WithArrays:
+    """An attention call that takes arrays of its own after q, k and v: inputs of the timed
+    program (not constants folded into it), differentiated in fwd+bwd like q, k and v."""
+
+    attend: Callable[..., Any]
+    arrays: tuple[Any, ...]
 
 
 def _eqx(family: str | None = None, block_q: int | None = None, block_k: int | None = None,
@@ -192,12 +201,11 @@ def _eqx(family: str | None = None, block_q: int | None = None, block_k: int | N
                                                              **options)[0]
         array = options.pop(feature)
 
-        def attend(q, k, v):
-            tied = array + (0 * q.reshape(-1)[0]).astype(array.dtype)
-            return eqx_flash.flash_attention(q, k, v, causal=causal, **{feature: tied},
+        def attend(q, k, v, array):
+            return eqx_flash.flash_attention(q, k, v, causal=causal, **{feature: array},
                                              **options)[0]
 
-        return attend
+        return WithArrays(attend, (array,))
 
     return make
 
@@ -279,15 +287,22 @@ def implementations(blocks: list[int], families: list[str], features: Iterable[s
     return found, skipped
 
 
-def program(attend: Callable[..., Any], mode: str) -> Callable[..., Any]:
+def program(attend: Callable[..., Any] | WithArrays, mode: str) -> Callable[..., Any]:
+    """The jitted program of a cell: it takes q, k, v (and a `WithArrays`' arrays)."""
+    arity = 3 + (len(attend.arrays) if isinstance(attend, WithArrays) else 0)
+    call = attend.attend if isinstance(attend, WithArrays) else attend
     if mode == "fwd":
-        return jax.jit(attend)
+        return jax.jit(call)
     if mode == "fwd+bwd":
-        def loss(q, k, v):
-            return jnp.sum(attend(q, k, v).astype(jnp.float32))
+        def loss(*args):
+            return jnp.sum(call(*args).astype(jnp.float32))
 
-        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-    return jax.jit(lambda q, k, v: jax.jvp(attend, (q, k, v), (q, k, v)))
+        return jax.jit(jax.grad(loss, argnums=tuple(range(arity))))
+    # jvp: tangents along q, k, v only (an array of the call's own keeps a zero tangent).
+    def tangents(*args):
+        return tuple(args[:3]) + tuple(jnp.zeros_like(a) for a in args[3:])
+
+    return jax.jit(lambda *args: jax.jvp(call, args, tangents(*args)))
 
 
 def _inputs(config: Config, batch: int, seq: int, dtype: Any, layout: str) -> tuple:
@@ -358,13 +373,14 @@ def measure_group(cells: list[tuple[dict[str, Any], Callable[..., Any], str]], c
         print(f"[{progress[0]}/{progress[1]}] {name}: compiling ...", end="", flush=True)
         start = time.perf_counter()
         try:
-            compiled = program(attend, record["mode"]).lower(*inputs[layout]).compile()
+            args = inputs[layout] + (attend.arrays if isinstance(attend, WithArrays) else ())
+            compiled = program(attend, record["mode"]).lower(*args).compile()
             record["compile_s"] = round(time.perf_counter() - start, 2)
             analysis = compiled.memory_analysis()
             record["temp_mib"] = (None if analysis is None
                                   else analysis.temp_size_in_bytes / 2**20)
-            jax.block_until_ready(compiled(*inputs[layout]))  # warm-up; may run out of memory
-            calls[str(len(records) - 1)] = functools.partial(compiled, *inputs[layout])
+            jax.block_until_ready(compiled(*args))  # warm-up; may run out of memory
+            calls[str(len(records) - 1)] = functools.partial(compiled, *args)
             print(f" {record['compile_s']:.1f} s", flush=True)
         except Exception as error:  # noqa: BLE001 - report and go on
             record["error"] = _short(error)

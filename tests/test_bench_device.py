@@ -142,25 +142,32 @@ def test_a_feature_row_is_the_family_with_that_option(bench):
 
 
 def test_a_trained_feature_gets_its_gradient_in_fwd_bwd(bench):
-    """`--features bias`: the bias is tied to q, so the timed fwd+bwd computes its
-    gradient (a bias cotangent reaches q through the tie, times zero)."""
+    """`--features bias`: the bias is an input of the timed program (not a constant in
+    it), and fwd+bwd returns its gradient with those of q, k and v."""
     impls, _ = bench.implementations([512], ["xla"], ["bias"])
     row = next(i for i in impls if i.label == "eqx_flash[xla]+bias")
     config = bench.parse_config("h2d16")
     q, k, v = (jax.random.normal(jax.random.key(n), (1, 2, 32, 16)) for n in range(3))
-    attend = row.make(config, 32, False, None)
-    bias = bench.FEATURES["bias"](config, 32)["bias"]
+    cell = row.make(config, 32, False, None)
+    assert isinstance(cell, bench.WithArrays)
+    (bias,) = cell.arrays
+    assert bias.shape == (2, 32, 32)
     want = eqx_flash.plain_attention(q, k, v, bias=bias)[0]
-    assert jnp.allclose(attend(q, k, v), want, atol=2e-2)
+    assert jnp.allclose(bench.program(cell, "fwd")(q, k, v, bias), want, atol=2e-2)
 
-    def backward_size(fn):  # the length of the program fwd+bwd times
-        return len(str(jax.make_jaxpr(bench.program(fn, "fwd+bwd"))(q, k, v)))
-
-    def fixed(q, k, v):
-        return eqx_flash.flash_attention(q, k, v, bias=bias, kernels="xla")[0]
-
-    # The bias's cotangent is computed (and summed into the tie) only when trained.
-    assert backward_size(attend) > backward_size(fixed)
+    grads = bench.program(cell, "fwd+bwd")(q, k, v, bias)
+    want_grads = jax.grad(
+        lambda *a: jnp.sum(eqx_flash.plain_attention(*a[:3], bias=a[3])[0]),
+        argnums=(0, 1, 2, 3))(q, k, v, bias)
+    assert len(grads) == 4
+    for got, expected in zip(grads, want_grads, strict=True):
+        assert got.shape == expected.shape
+        assert jnp.allclose(got.astype(jnp.float32), expected.astype(jnp.float32), atol=3e-2)
+    # jvp: tangents along q, k, v (the bias's is zero).
+    _, tangent = bench.program(cell, "jvp")(q, k, v, bias)
+    _, want_tangent = jax.jvp(lambda q, k, v: eqx_flash.plain_attention(q, k, v, bias=bias)[0],
+                              (q, k, v), (q, k, v))
+    assert jnp.allclose(tangent, want_tangent, atol=2e-2)
 
 
 def test_tpu_peers_wiring_in_interpret_mode(bench):
