@@ -170,6 +170,51 @@ def _compare_with_array(q, k, v, case, argument, x, tangent):
     assert_close(jnp.where(jnp.isfinite(lse), t_lse, 0.0),
                  jnp.where(jnp.isfinite(lse), r_lse, 0.0), kind="grad", name="jvp lse")
 
+def _capped_distance(score, b, h, i, j):  # a soft cap and a per-head distance penalty
+    return 20.0 * jnp.tanh(score / 20.0) - 0.05 * (h + 1).astype(score.dtype) * jnp.abs(
+        i - j).astype(score.dtype)
+
+
+def _sliding(b, h, i, j):  # a window per head, a prefix per batch element, empty rows
+    return (((j <= i) & (i - j < 40 + 10 * h)) | (j < 8 * (b + 1))) & (i % 50 != 7)
+
+
+def test_score_and_mask_mods_against_reference():
+    """A `score_mod` and a `mask_mod` evaluated in the kernels, per query head (GQA 4/2;
+    200 queries on 300 keys): values, lse and the gradients of q, k, v through the fused
+    backward; with a trained bias (the dq and dk/dv kernels) its gradient and a jvp too;
+    rows the mask_mod empties give 0 and -inf."""
+    q, k, v = qkv(21, (2, 4, 200, 32), (2, 2, 300, 32))
+    _compare(q, k, v, score_mod=_capped_distance, mask_mod=_sliding, softcap=3.0)
+    bias = jax.random.normal(jax.random.key(22), (200, 1))
+    case = dict(score_mod=_capped_distance, mask_mod=_sliding, causal=True)
+    _compare_with_array(q, k, v, case, "bias", bias, jnp.sin(bias))
+
+
+def test_which_mods_run_in_the_kernels():
+    """Elementwise functions holding no arrays run in the kernels; the rest are named."""
+    q, k, v = qkv(23, (1, 2, 64, 16), (1, 2, 64, 16))
+    table = jnp.linspace(0.0, -1.0, 8)
+
+    def looked_up(score, b, h, i, j):  # a table lookup: a gather over a closed-over array
+        return score + table[jnp.clip(i - j, 0, 7)]
+
+    reasons = {
+        "closing over arrays": dict(score_mod=looked_up),
+        "holding arrays": dict(score_mod=eqx_flash.ALiBi(2)),
+        "block summary": dict(mask_mod=_sliding, block_mask=eqx_flash.make_block_mask(
+            _sliding, (1,), 2, 64, 64, block_q=32, block_k=32)),
+    }
+    for expected, options in reasons.items():
+        family, reason = eqx_flash.kernel_family(q, k, v, kernels="pallas_tpu", **options)
+        assert family is None and expected in reason, (expected, reason)
+        with pytest.raises(NotImplementedError, match=expected):
+            flash_attention(q, k, v, **PALLAS, **options)
+    family, _ = eqx_flash.kernel_family(q, k, v, kernels="pallas_tpu",
+                                        score_mod=_capped_distance, mask_mod=_sliding)
+    assert family == "pallas_tpu"
+
+
 @pytest.mark.parametrize("options", [dict(), dict(causal=True, softcap=3.0)],
                          ids=["GQA", "causal softcap"])
 def test_dropout_drops_what_the_xla_kernels_drop(options):
@@ -249,8 +294,10 @@ def test_transforms_and_second_order():
 def test_uncovered_options_raise_when_asked_and_fall_back_by_default():
     q, k, v = qkv(6, (2, 64, 16), (2, 64, 16))
 
-    def score_mod(score, b, h, i, j):
-        return score - 0.1 * jnp.abs(i - j).astype(score.dtype)
+    table = jnp.linspace(0.0, -1.0, 8)
+
+    def score_mod(score, b, h, i, j):  # a table lookup: not in the Pallas kernels
+        return score + table[jnp.clip(i - j, 0, 7)]
 
     with pytest.raises(NotImplementedError, match="score_mod"):
         flash_attention(q, k, v, score_mod=score_mod, **PALLAS)
@@ -315,6 +362,13 @@ def test_inside_a_users_shard_map():
                                                        **PALLAS),
         mesh=mesh, in_specs=(seq,) * 3, out_specs=(seq, seq))
     _compare_on(ring, q, k, v, causal=True, alibi_slopes=slopes, bias=bias)
+    # A score_mod on the ring's pieces would need their global indices: not yet.
+    ring_mod = jax.shard_map(
+        lambda q, k, v: eqx_flash.ring_flash_attention(q, k, v, axis_name="x",
+                                                       score_mod=_capped_distance, **PALLAS),
+        mesh=mesh, in_specs=(seq,) * 3, out_specs=(seq, seq), check_vma=False)
+    with pytest.raises(NotImplementedError, match="ring's pieces"):
+        ring_mod(q, k, v)
 
 
 def _compare_on(attention, q, k, v, **options):

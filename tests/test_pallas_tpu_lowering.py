@@ -114,3 +114,38 @@ def test_bias_and_pair_masks_lower_to_mosaic_kernels(blocks):
 
         exported = jax.export.export(jax.jit(grad_masked), platforms=("tpu",))(q, kv, kv, mask)
         assert "tpu_custom_call" in exported.mlir_module(), shape
+
+
+def _capped_distance(score, b, h, i, j):  # a soft cap and a per-head distance penalty
+    return 20.0 * jnp.tanh(score / 20.0) - 0.05 * (h + 1).astype(score.dtype) * jnp.abs(
+        i - j).astype(score.dtype)
+
+
+def _sliding(b, h, i, j):  # a per-head window, and a prefix every query sees
+    return ((j <= i) & (i - j < 70 + 10 * h)) | (j < 8 * (b + 1))
+
+
+@pytest.mark.parametrize("blocks", [BLOCKS, {}], ids=["blocks 64x128", "default blocks"])
+def test_score_and_mask_mods_lower_to_mosaic_kernels(blocks):
+    """A `score_mod` and a `mask_mod` (elementwise, holding no arrays) run inside the
+    kernels: the gradient exports to exactly two Mosaic kernels (the forward and the
+    fused backward), the jvp to one, for GQA in float32 and bfloat16, with a soft cap and
+    causal too."""
+    for dtype in (jnp.float32, jnp.bfloat16):
+        q = jax.ShapeDtypeStruct((2, 4, 160, 64), dtype)
+        kv = jax.ShapeDtypeStruct((2, 2, 300, 64), dtype)
+        for options in (dict(score_mod=_capped_distance),
+                        dict(score_mod=_capped_distance, mask_mod=_sliding, causal=True,
+                             softcap=30.0)):
+            flash = functools.partial(flash_attention, **PALLAS, **blocks, **options)
+
+            def grad(q, k, v, flash=flash):
+                return jax.grad(functools.partial(_loss, flash), argnums=(0, 1, 2))(q, k, v)
+
+            def jvp(q, k, v, flash=flash):
+                return jax.jvp(lambda q, k, v: flash(q, k, v)[0], (q, k, v), (q, k, v))
+
+            for fn, kernels in ((grad, 2), (jvp, 1)):
+                exported = jax.export.export(jax.jit(fn), platforms=("tpu",))(q, kv, kv)
+                assert exported.mlir_module().count("tpu_custom_call") == kernels, (
+                    options, fn.__name__)

@@ -57,7 +57,7 @@ from .._core.types import (
     WindowLike,
 )
 from .._kernels.contract import Call
-from .._kernels.dispatch import choose, forward
+from .._kernels.dispatch import choose, forward, reads_block_flags
 from .._mods.block_mask import BlockMask, block_flags_for, derived_flags
 from .._mods.tracing import trace_mods, varying_axes_of
 from .._semantics.masking import valid_rows
@@ -74,7 +74,7 @@ def call_of(bound: Bound, shapes: Shapes | None = None) -> Call:
     """`bound` as the kernel choice sees it (`_kernels.dispatch.choose`), on problem
     `shapes` (default: `bound`'s)."""
     return Call(bound.options, bound.shapes if shapes is None else shapes, bound.q.dtype,
-                bound.operands, bound.score_mod is not None, bound.mask_mod is not None)
+                bound.operands, bound.score_mod, bound.mask_mod, bound.block_mask is not None)
 
 
 def prepare_kernels(bound: Bound) -> tuple[KernelConfig, Operands]:
@@ -90,7 +90,7 @@ def prepare_kernels(bound: Bound) -> tuple[KernelConfig, Operands]:
     if bound.block_mask is not None:
         ops = replace(ops, block_flags=block_flags_for(
             bound.block_mask, bound.mask_mod, shapes, cfg.block_q, cfg.block_k))
-    elif bound.mask_mod is not None:
+    elif bound.mask_mod is not None and reads_block_flags(cfg):
         ops = replace(ops, block_flags=derived_flags(
             bound.mask_mod, shapes, cfg.block_q, cfg.block_k))
     return dataclasses.replace(cfg, mods=mods), ops

@@ -414,7 +414,8 @@ def ring_of(bound: Bound, axis_name: Hashable, n: int, layout: Layout, local: An
             )
     piece = dataclasses.replace(shapes, seq_q=shapes.seq_q // m, seq_k=shapes.seq_k // m)
     # The kernel choice, made once.
-    base = choose(call_of(bound, piece), bound.options.kernels, split_k=False)
+    base = choose(call_of(bound, piece)._replace(pieces=True), bound.options.kernels,
+                  split_k=False)
     mods, mod_ops = trace_mods(bound.score_mod, bound.mask_mod, shapes.heads, shapes.groups,
                                base.block_q, base.block_k, stat_dtype(bound.q.dtype))
     # ALiBi aligns the global indices on the global sequence (`ring_operands`). Lengths

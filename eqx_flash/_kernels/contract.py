@@ -68,7 +68,8 @@ device (`Untried`), and may resolve its own configuration (`Configure`; None: xl
 block policy).
 """
 
-from typing import NamedTuple, Protocol
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
 
 import jax.numpy as jnp
 from jaxtyping import Array
@@ -87,8 +88,12 @@ class Call(NamedTuple):
     shapes: Shapes  # the problem the kernels see (for the ring: one chunk piece)
     dtype: jnp.dtype  # q's dtype, as the caller passed it
     ops: Operands  # unpadded, internal layout (their presence and shapes; no values)
-    score_mod: bool  # a `score_mod` was given
-    mask_mod: bool  # a `mask_mod` was given
+    score_mod: Callable[..., Any] | None  # the user's `score_mod`, if given
+    mask_mod: Callable[..., Any] | None  # the user's `mask_mod`, if given
+    block_mask: bool = False  # a `block_mask` was given
+    # The kernels see pieces of a longer sequence (the ring's), whose indices a
+    # score_mod/mask_mod must see as the whole sequence's (`ops.q_index`, at run time).
+    pieces: bool = False
 
 
 class Machine(NamedTuple):
@@ -166,6 +171,9 @@ class KernelFamily(NamedTuple):
     # What the family covers but has not yet run on its device (compiled and timed there):
     # `kernels=None` passes such a call on, saying why; an explicit request runs it.
     untried: Untried | None = None
+    # Whether its kernels read a `mask_mod`'s block summary (`ops.block_flags`), which
+    # is derived for them (a pass over every pair) where the call gives no `block_mask`.
+    reads_block_flags: bool = True
 
 
 class Kernels(NamedTuple):

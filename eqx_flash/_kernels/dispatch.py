@@ -116,6 +116,11 @@ def differentiable(cfg: KernelConfig) -> KernelConfig:
     return dataclasses.replace(cfg, family=XLA.name)
 
 
+def reads_block_flags(cfg: KernelConfig) -> bool:
+    """Whether the family `cfg` records reads a `mask_mod`'s block summary."""
+    return FAMILIES[cfg.family].reads_block_flags
+
+
 def family_of(cfg: KernelConfig) -> Kernels:
     """The kernels of the family `cfg` records, the xla family's where it has none."""
     family, xla = FAMILIES[cfg.family], _xla()

@@ -370,6 +370,14 @@ def _layout(name: str, x: Array, query: bool, transposed: bool, block: int
     return side, lane_blocks(x, block)
 
 
+def masks_some_pairs(cfg: KernelConfig, ops: Operands, any_partial: bool) -> bool:
+    """Whether a pair the plan visits may be masked (then the kernels keep a value that
+    is not finite from reaching the queries that do not attend it): a plan with partial
+    blocks, a mask known at run time, or a `mask_mod`."""
+    mask_mod = cfg.mods is not None and cfg.mods.mask is not None
+    return any_partial or ops.has_data_mask or ops.has_positions or mask_mod
+
+
 def prepare(cfg: KernelConfig, ops: Operands, heads: tuple[int, ...], v: Array | None,
             transposed: bool = False, dv: Array | None = None,
             term_units: float = 1.0, d_ops: Operands | None = None) -> BlockOperands:
@@ -415,7 +423,8 @@ def prepare(cfg: KernelConfig, ops: Operands, heads: tuple[int, ...], v: Array |
     pairs = [_pair_layout(name, x, transposed, cfg.block_q) for name, x in (
         ("pair_mask", ops.pair_mask), ("bias", ops.bias),
         ("bias_tangent", None if d_ops is None else d_ops.bias)) if x is not None]
-    masks_data = bool(parts) or ops.has_lengths or ops.pair_mask is not None
+    mask_mod = cfg.mods is not None and cfg.mods.mask is not None
+    masks_data = bool(parts) or ops.has_lengths or ops.pair_mask is not None or mask_mod
     if v is not None:
         bad = jnp.logical_not(jnp.all(jnp.isfinite(v), axis=-1))  # (b, h, seq_k)
         add("bad_key", bad[:, :, None, None, :], False)

@@ -11,6 +11,7 @@ logit); low-precision ones are scaled in the kernel, on the float32 logits, unle
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -122,20 +123,29 @@ def dot(a: Array, b: Array, dims, stat) -> Array:
     return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=stat)
 
 
-def logits(cfg: KernelConfig, u: Units, a: Array, b: Array, stat, term: Array | None = None
-           ) -> tuple[Array, Array | None]:
+# A `score_mod` on a tile of logits (in the kernel's units before the cap): its value
+# and, where asked for, its derivative (`_tile_mods.apply_score_mod`).
+ScoreMod = Callable[[Array], tuple[Array, Array | None]]
+
+
+def logits(cfg: KernelConfig, u: Units, a: Array, b: Array, stat, term: Array | None = None,
+           mod: ScoreMod | None = None) -> tuple[Array, Array | None, Array | None]:
     """`a @ b^T` in the kernel's units plus a score `term` (in `u.before_cap` units),
-    soft-capped; and the cap's tanh (None without)."""
+    through a `score_mod`, soft-capped; the cap's tanh (None without) and the score_mod's
+    derivative (None without, or not asked for)."""
     s = dot(a, b, NT, stat)
     if u.in_kernel != 1.0:
         s = s * jnp.asarray(u.in_kernel, stat)
     if term is not None:
         s = s + term
+    slope = None
+    if mod is not None:
+        s, slope = mod(s)
     if cfg.softcap is None:
-        return s, None
+        return s, None, slope
     t = jnp.tanh(s * jnp.asarray(1.0 / cfg.softcap, stat))
     s = t * jnp.asarray(cfg.softcap * u.after_cap, stat)
-    return s, t
+    return s, t, slope
 
 
 def add_terms(a: Array | None, b: Array | None) -> Array | None:

@@ -30,7 +30,7 @@ from jaxtyping import Array
 from ..._core.config import KernelConfig, stat_dtype
 from ..._core.operands import Operands, differentiable_part, reduce_to
 from ._call import planned_call, split_refs
-from ._operands import SUBLANES, BlockOperands, lane_blocks, prepare
+from ._operands import SUBLANES, BlockOperands, lane_blocks, masks_some_pairs, prepare
 from ._plan import Plan, backward_plan, forward_plan
 from ._platform import on_tpu_or_interpreted
 from ._tile import (
@@ -49,6 +49,7 @@ from ._tile import (
     units,
 )
 from ._tile import prepared_queries as _prepared_queries
+from ._tile_mods import and_masks, apply_mask_mod, score_mod
 
 # VMEM a fused backward may spend on the whole head's dq (its float32 accumulator and
 # the double-buffered output block); past it, the dq kernel runs instead.
@@ -64,7 +65,7 @@ def backward(cfg: KernelConfig, q: Array, k: Array, v: Array, ops: Operands, lse
     stat = stat_dtype(q.dtype)
     u = units(cfg, q.dtype, tuning)
     fwd_plan, bwd_plan = forward_plan(cfg), backward_plan(cfg)
-    masked = fwd_plan.any_partial or ops.has_data_mask or ops.has_positions
+    masked = masks_some_pairs(cfg, ops, fwd_plan.any_partial)
     b, h, g, seq_q, d = q.shape
     q_in = _prepared_queries(q, u)
     # lse in the kernel's units, so that `p = exp(s - lse)` needs no conversion per pair.
@@ -112,11 +113,14 @@ def backward(cfg: KernelConfig, q: Array, k: Array, v: Array, ops: Operands, lse
     return d_q, d_k, d_v, d_ops
 
 
-def _ds(p, dp, delta, t, mask):
-    """The logits' cotangent: softmax backward, through the cap, zero at masked pairs."""
+def _ds(p, dp, delta, t, slope, mask):
+    """The logits' cotangent: softmax backward, through the cap and the score_mod (its
+    derivative `slope`), zero at masked pairs."""
     ds = p * (dp - delta)
     if t is not None:
         ds = ds * (1.0 - t * t)
+    if slope is not None:
+        ds = ds * slope
     if mask is not None:
         ds = jnp.where(mask, ds, 0.0)
     return ds
@@ -254,10 +258,15 @@ def _dkv_kernel(q_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: Block
                     term = coefficients[group] * jnp.broadcast_to(distance, (bk, chunk))
                 term = add_terms(term, operands.pair_term(operand_refs, "bias", (bk, chunk),
                                                           group, queries=queries))
-                st, t = logits(cfg, u, k, q, stat, term)  # (bk, chunk)
-                mask = operands.mask(cfg, operand_refs, tables, bi, qb * bq + c * chunk,
+                q_start = qb * bq + c * chunk
+                mod = score_mod(cfg, u, bi=bi, hi=hi, groups=g, q_start=q_start,
+                                k_start=j * bk, group=group)
+                st, t, slope = logits(cfg, u, k, q, stat, term, mod)  # (bk, chunk)
+                mask = operands.mask(cfg, operand_refs, tables, bi, q_start,
                                      j * bk, (bk, chunk), positional, group,
                                      queries=queries)
+                mask = and_masks(mask, apply_mask_mod(cfg, bi, hi, g, q_start, j * bk,
+                                                      (bk, chunk), group))
                 if mask is not None:
                     st = jnp.where(mask, st, -jnp.inf)
                 p = u.exp(st - lse_ref[group, 0:1, queries])
@@ -268,7 +277,7 @@ def _dkv_kernel(q_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: Block
                 if drop is not None:
                     p_v, dp = p * drop, dp * drop
                 dv = dv + dot(p_v.astype(do.dtype), do, NN, stat)
-                ds = _ds(p, dp, delta_ref[group, 0:1, queries], t, mask)
+                ds = _ds(p, dp, delta_ref[group, 0:1, queries], t, slope, mask)
                 if ds_distance_ref is not None:
                     assert distance is not None
                     ds_distance_ref[group] += jnp.sum(ds * distance, axis=0, keepdims=True)
@@ -400,9 +409,12 @@ def _dq_kernel(kv_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: Block
             term = per_head_term(operands.alibi_coefficients(
                 tables, bi, hi, pl.num_programs(1), g), distance)
         term = add_terms(term, operands.pair_term(operand_refs, "bias", (g, bq, bk)))
-        sc, t = logits(cfg, u, q_ref[...].reshape(rows, d), k_ref[...], stat, term)
+        mod = score_mod(cfg, u, bi=bi, hi=hi, groups=g, q_start=i * bq, k_start=kb * bk)
+        sc, t, slope = logits(cfg, u, q_ref[...].reshape(rows, d), k_ref[...], stat, term,
+                              mod)
         mask = operands.mask(cfg, operand_refs, tables, bi, i * bq, kb * bk, (1, bq, bk),
                              positional)
+        mask = and_masks(mask, apply_mask_mod(cfg, bi, hi, g, i * bq, kb * bk, (rows, bk)))
         full_mask = None
         if mask is not None:
             full_mask = jnp.broadcast_to(mask, (g, bq, bk)).reshape(rows, bk)
@@ -414,7 +426,7 @@ def _dq_kernel(kv_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: Block
         if drop is not None:
             dp = dp * drop
         delta = lanes(delta_ref[...].reshape(rows, LANES), bk)
-        ds = _ds(p, dp, delta, t, full_mask)
+        ds = _ds(p, dp, delta, t, slope, full_mask)
         k = k_ref[...]
         acc_ref[...] += dot(ds.astype(k.dtype), k, NN, stat)
         if d_bias_ref is not None:

@@ -14,13 +14,14 @@ import dataclasses
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from ..._core.config import KernelConfig
+from ..._core.config import KernelConfig, stat_dtype
 from ..._core.operands import Operands
 from ..contract import Call, KernelFamily, Machine
 from ..xla.policy import configure as xla_configure
 from . import backward as _backward
 from . import forward as _forward
 from . import tangent as _tangent
+from ._tile_mods import uncovered
 from .policy import blocks
 
 # Head dims the kernels take: a dim that is not a multiple of the 128 lanes is padded
@@ -42,15 +43,22 @@ def configure(call: Call, machine: Machine, split_k: bool) -> KernelConfig:
 def covers(cfg: KernelConfig, call: Call) -> str | None:
     """None where the kernels run `call`, else what they lack."""
     ops = call.ops
+    mods = call.score_mod is not None or call.mask_mod is not None
+    stat = stat_dtype(call.dtype)
     unsupported = [
         (cfg.split_k, "few queries against many keys (the xla family's split-K kernel)"),
-        (call.score_mod, "score_mod"),
-        (call.mask_mod or ops.block_flags is not None, "mask_mod / block_mask"),
+        (call.block_mask or ops.block_flags is not None,
+         "block_mask (a block summary driving the kernels' plan)"),
+        (mods and call.pieces, "score_mod / mask_mod on the ring's pieces (global indices)"),
         (jnp.dtype(call.dtype) == jnp.float64, "float64 inputs (a TPU has no float64)"),
         (call.shapes.dim > MAX_DIM or call.shapes.dim_v > MAX_DIM,
          f"head dims above {MAX_DIM}"),
     ]
     reasons = [reason for missing, reason in unsupported if missing]
+    # A score_mod / mask_mod: what Mosaic can run of it (`_tile_mods.uncovered`).
+    reasons += [reason for reason in (
+        uncovered("score_mod", call.score_mod, call.shapes.groups, stat),
+        uncovered("mask_mod", call.mask_mod, call.shapes.groups, stat)) if reason is not None]
     return None if not reasons else "; ".join(reasons)
 
 
@@ -58,7 +66,8 @@ def untried(call: Call) -> str | None:
     """What the kernels cover but a TPU has not yet compiled and timed: `kernels=None`
     keeps the pure-JAX kernels for it until then."""
     ops = call.ops
-    named = [name for name, x in (("bias", ops.bias), ("attn_mask", ops.pair_mask))
+    named = [name for name, x in (("bias", ops.bias), ("attn_mask", ops.pair_mask),
+                                  ("score_mod", call.score_mod), ("mask_mod", call.mask_mod))
              if x is not None]
     if named:
         return f"{' and '.join(named)} in the Pallas kernels are not yet compiled on a TPU"
@@ -114,4 +123,7 @@ FAMILY = KernelFamily(
     configure=configure,
     differentiable=False,
     untried=untried,
+    # A mask_mod is evaluated on every block the plan visits (its summary does not yet
+    # drive the plan).
+    reads_block_flags=False,
 )

@@ -24,7 +24,7 @@ from ..._core.config import KernelConfig, stat_dtype
 from ..._core.operands import Operands
 from ..._semantics.masking import window_overlap
 from ._call import planned_call, split_refs
-from ._operands import BlockOperands, prepare
+from ._operands import BlockOperands, masks_some_pairs, prepare
 from ._plan import Plan, forward_plan
 from ._platform import on_tpu_or_interpreted
 from ._tile import (
@@ -41,6 +41,7 @@ from ._tile import (
     prepared_queries,
     units,
 )
+from ._tile_mods import and_masks, apply_mask_mod, score_mod
 
 _FLOOR = float(jnp.finfo(jnp.float32).min)  # `softmax.start`'s running-max floor
 
@@ -51,7 +52,7 @@ def forward(cfg: KernelConfig, q: Array, k: Array, v: Array, ops: Operands,
     k `(b, h, seq_k_pad, d)`, v `(b, h, seq_k_pad, dv)`, padded to whole blocks of
     `cfg`; out in q's dtype, the statistics `(b, h, g, seq_q_pad)` float32."""
     plan = forward_plan(cfg)
-    masked = plan.any_partial or ops.has_data_mask or ops.has_positions
+    masked = masks_some_pairs(cfg, ops, plan.any_partial)
     u = units(cfg, q.dtype, tuning)
     operands = prepare(cfg, ops, q.shape[:3], v if masked else None, term_units=u.before_cap)
     call = functools.partial(_call, cfg, plan, operands, u, tuning.forward_chunk(cfg.block_k),
@@ -201,10 +202,14 @@ def _tile(*, r0: int, n: int, keys, k_start, band: bool | Array, cfg: KernelConf
                                                          g), distance)
     term = add_terms(term, operands.pair_term(operand_refs, "bias", (g, n, chunk), keys=keys,
                                               queries=None if whole_rows else rows))
-    s, _ = logits(cfg, u, q, k, stat, term)  # (g * n, chunk)
-    mask = operands.mask(cfg, operand_refs, tables, bi, q_block_start + r0, k_start,
+    q_start = q_block_start + r0
+    mod = score_mod(cfg, u, bi=bi, hi=hi, groups=g, q_start=q_start, k_start=k_start,
+                    derivative=False)
+    s, _, _ = logits(cfg, u, q, k, stat, term, mod)  # (g * n, chunk)
+    mask = operands.mask(cfg, operand_refs, tables, bi, q_start, k_start,
                          (1, n, chunk), band, keys=keys,
                          queries=None if whole_rows else rows)
+    mask = and_masks(mask, apply_mask_mod(cfg, bi, hi, g, q_start, k_start, (g * n, chunk)))
     if mask is not None:
         s = jnp.where(mask, s.reshape(g, n, chunk), -jnp.inf).reshape(g * n, chunk)
     m_prev = m_scr[:, rows, :].reshape(g * n, LANES)

@@ -20,7 +20,7 @@ from jaxtyping import Array
 from ..._core.config import KernelConfig, stat_dtype
 from ..._core.operands import Operands
 from ._call import planned_call, split_refs
-from ._operands import BlockOperands, prepare
+from ._operands import BlockOperands, masks_some_pairs, prepare
 from ._plan import Plan, forward_plan
 from ._platform import on_tpu_or_interpreted
 from ._tile import (
@@ -38,6 +38,7 @@ from ._tile import (
     prepared_queries,
     units,
 )
+from ._tile_mods import and_masks, apply_mask_mod, score_mod
 from .forward import _FLOOR, _vmem_bytes, _write_finish
 
 
@@ -49,7 +50,7 @@ def forward_and_tangent(cfg: KernelConfig, q: Array, k: Array, v: Array, ops: Op
     d_lse)` for tangents `dq`, `dk`, `dv` (None: zero) and `d_ops` (of the operands
     the family covers: ALiBi's slopes, a bias)."""
     plan = forward_plan(cfg)
-    masked = plan.any_partial or ops.has_data_mask or ops.has_positions
+    masked = masks_some_pairs(cfg, ops, plan.any_partial)
     u = units(cfg, q.dtype, tuning)
     operands = prepare(cfg, ops, q.shape[:3], v if masked else None,
                        dv=dv if masked else None, term_units=u.before_cap, d_ops=d_ops)
@@ -156,7 +157,9 @@ def _kernel(kv_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: BlockOpe
                 score_term = per_head_term(alibi, distance)
             score_term = add_terms(score_term, operands.pair_term(
                 operand_refs, "bias", (g, bq, chunk), keys=keys))
-            sc, t = logits(cfg, u, q, k, stat, score_term)
+            k_start = kb * bk + c * chunk
+            mod = score_mod(cfg, u, bi=bi, hi=hi, groups=g, q_start=i * bq, k_start=k_start)
+            sc, t, slope = logits(cfg, u, q, k, stat, score_term, mod)
             # dS in natural units: the queries carry `u.fold` of the scale.
             ds = None
             if dq is not None:
@@ -169,10 +172,14 @@ def _kernel(kv_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: BlockOpe
                 ds = add_terms(ds, per_head_term(d_alibi, distance))
             ds = add_terms(ds, operands.pair_term(operand_refs, "bias_tangent",
                                                   (g, bq, chunk), keys=keys))
+            if ds is not None and slope is not None:
+                ds = ds * slope
             if ds is not None and t is not None:
                 ds = ds * (1.0 - t * t)
-            mask = operands.mask(cfg, operand_refs, tables, bi, i * bq, kb * bk + c * chunk,
+            mask = operands.mask(cfg, operand_refs, tables, bi, i * bq, k_start,
                                  (1, bq, chunk), positional, keys=keys)
+            mask = and_masks(mask, apply_mask_mod(cfg, bi, hi, g, i * bq, k_start,
+                                                  (rows, chunk)))
             if mask is not None:
                 full = jnp.broadcast_to(mask, (g, bq, chunk)).reshape(rows, chunk)
                 sc = jnp.where(full, sc, -jnp.inf)

@@ -31,7 +31,7 @@ def configure(call: Call, machine: Machine, split_k: bool) -> KernelConfig:
     `score_mod`/`mask_mod`, traced at the blocks chosen here), heads in parallel off a
     single CPU device, and the compute dtype."""
     options, shapes, ops = call.options, call.shapes, call.ops
-    fine = wants_fine_blocks(ops, call.mask_mod) or not machine.single_cpu_device
+    fine = wants_fine_blocks(ops, call.mask_mod is not None) or not machine.single_cpu_device
     tuned_q, tuned_k = default_blocks(options.window, shapes.groups, fine, shapes.seq_k)
     if machine.backend in ACCELERATORS:
         tuned_q, tuned_k = accelerator_blocks(shapes)
@@ -51,7 +51,7 @@ def configure(call: Call, machine: Machine, split_k: bool) -> KernelConfig:
         parallel_heads=heads_in_parallel(machine),
         compute_dtype=kernel_dtype(call.dtype, machine.backend),
     )
-    if not split_k or call.score_mod or call.mask_mod:
+    if not split_k or call.score_mod is not None or call.mask_mod is not None:
         return cfg
     cfg = split_k_config(cfg)
     # Score terms run the regular forward (the split-K one adds none), at the blocks

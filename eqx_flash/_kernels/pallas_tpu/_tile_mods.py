@@ -1,0 +1,195 @@
+"""A `score_mod` and a `mask_mod` on one tile of a Pallas kernel, and which ones the
+kernels can run (`uncovered`).
+
+The functions are the user's own, called in the kernel body on one query head's tile at
+a time, `(rows, cols)`, with index arrays that broadcast against it: `batch` and `head`
+`(1, 1)`, the query and key indices a column and a row (queries along the rows in the
+forward, dq and tangent kernels; keys along the rows, `transposed`, in the dk/dv kernel).
+An elementwise function of broadcasting arrays (what `_mods.tracing` checks for every
+family) gives the same values whatever the tile's shape or orientation.
+
+Mosaic lowers a fixed set of primitives. A function is run only if its jaxpr uses
+nothing else (`_ELEMENTWISE`: arithmetic, comparisons, selects, casts, broadcasts,
+transcendental functions) and reads no arrays: no PyTree leaves and no closed-over
+arrays, whose values a kernel would need as inputs (and, floating ones, whose gradient
+it would need to return). Anything else (a table lookup is a `gather`) runs on the
+pure-JAX kernels, which the family's `covers` says.
+
+A `score_mod` acts on the natural logits (after the scale and any bias, before the soft
+cap) as in every family: the kernels' logits in base-2 units are converted around it.
+Its derivative is one `jax.jvp` along ones on the tile: the function is elementwise in
+the scores, so its derivative is too, and the backward and the tangent kernels multiply
+by it.
+"""
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.extend as jex
+import jax.numpy as jnp
+from jaxtyping import Array
+
+from ..._core.config import KernelConfig
+from ..._mods.tracing import ModFn, block_probe
+from ._tile import ScoreMod, Units, fold_heads
+
+# Primitives every Mosaic lowering of this jax has a rule for, elementwise ones only.
+_ELEMENTWISE = frozenset({
+    "abs", "add", "and", "broadcast_in_dim", "ceil", "clamp", "convert_element_type",
+    "copy", "copy_p", "cos", "div", "eq", "exp", "exp2", "expm1", "floor", "ge", "gt",
+    "integer_pow", "is_finite", "le", "log", "log1p", "logistic", "lt", "max", "min",
+    "mul", "ne", "neg", "not", "or", "pow", "rem", "round", "rsqrt", "select_n",
+    "shift_left", "shift_right_arithmetic", "shift_right_logical", "sign", "sin", "sqrt",
+    "square", "stop_gradient", "sub", "tanh", "xor",
+})
+# Higher-order primitives whose inner jaxprs are checked instead (`jnp.where` is a
+# `jit`; `jax.nn` functions carry custom derivatives).
+_NESTED = frozenset({"jit", "pjit", "closed_call", "custom_jvp_call", "custom_vjp_call",
+                     "custom_vjp_call_jaxpr", "remat", "checkpoint"})
+
+
+def uncovered(name: str, mod: Callable[..., Any] | None, groups: int, dtype: Any
+              ) -> str | None:
+    """Why the kernels cannot run `mod` (a `score_mod`, or a `mask_mod` without the
+    scores), or None where they can."""
+    if mod is None:
+        return None
+    if jax.tree.leaves(eqx.filter(mod, eqx.is_array)):
+        return f"a {name} holding arrays (their values and gradients in the kernels)"
+    probe = block_probe(groups, 8, 128, dtype)
+    try:
+        closed = jax.make_jaxpr(mod)(*(probe if name == "score_mod" else probe[1:]))
+    except Exception:  # noqa: BLE001 - the families' own checks say what is wrong
+        return f"a {name} that does not trace on a block"
+    if closed.consts:
+        return f"a {name} closing over arrays (their values in the kernels)"
+    found = _unlowered(closed.jaxpr)
+    if found is not None:
+        return f"a {name} applying `{found}` (Mosaic runs elementwise functions)"
+    return None
+
+
+def _unlowered(jaxpr: Any) -> str | None:
+    """The first primitive of `jaxpr` (or of a jaxpr inside it) outside `_ELEMENTWISE`."""
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name in _NESTED:
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, tuple | list) else (value,):
+                    inner = sub.jaxpr if isinstance(sub, jex.core.ClosedJaxpr) else sub
+                    if isinstance(inner, jex.core.Jaxpr):
+                        found = _unlowered(inner)
+                        if found is not None:
+                            return found
+            continue
+        if name not in _ELEMENTWISE:
+            return name
+    return None
+
+
+def _function(fn: ModFn) -> Callable[..., Any]:
+    """The user's function (`uncovered` let through only those without arrays, so the
+    static half of their split is the whole of it)."""
+    assert not fn.traced
+    return fn.static.value
+
+
+def _indices(bi: Array, head: Array | int, q_start: Array | int, k_start: Array | int,
+             shape: tuple[int, ...], transposed: bool) -> tuple[Array, ...]:
+    """`(batch, head, q_idx, kv_idx)` broadcasting against a tile of `shape`."""
+    rows, cols = shape
+    q_axis, k_axis = (1, 0) if transposed else (0, 1)
+    q_shape = (1, cols) if transposed else (rows, 1)
+    k_shape = (rows, 1) if transposed else (1, cols)
+    q_idx = q_start + jax.lax.broadcasted_iota(jnp.int32, q_shape, q_axis)
+    k_idx = k_start + jax.lax.broadcasted_iota(jnp.int32, k_shape, k_axis)
+    batch = jnp.full((1, 1), bi, jnp.int32)
+    return batch, jnp.full((1, 1), head, jnp.int32), q_idx, k_idx
+
+
+def _heads(groups: int, group: int | None) -> list[int]:
+    """The query heads of a tile: all `groups` folded into its rows, or the one `group`."""
+    return list(range(groups)) if group is None else [group]
+
+
+def apply_score_mod(cfg: KernelConfig, units: float, s: Array, *, bi: Array, hi: Array,
+                    groups: int, q_start: Array | int, k_start: Array | int,
+                    group: int | None = None, derivative: bool = False
+                    ) -> tuple[Array, Array | None]:
+    """The `score_mod` on the tile `s` of logits in `units` (natural logits times
+    `units`): its value in the same units, and (with `derivative`) its derivative in the
+    logits, elementwise. `s` is `(g * n, cols)` with the query heads folded into its rows,
+    or, for one query head `group`, `(keys, queries)` (transposed)."""
+    mods = cfg.mods
+    if mods is None or mods.score is None:
+        return s, None
+    score_mod = _function(mods.score)
+    transposed = group is not None
+
+    def on_head(x: Array, h: int) -> tuple[Array, Array | None]:
+        idx = _indices(bi, hi * groups + h, q_start, k_start, x.shape, transposed)
+
+        def natural(x: Array) -> Array:
+            if units == 1.0:
+                return score_mod(x, *idx)
+            out = score_mod(x * jnp.asarray(1.0 / units, x.dtype), *idx)
+            return out * jnp.asarray(units, x.dtype)
+
+        if not derivative:
+            return natural(x), None
+        return jax.jvp(natural, (x,), (jnp.ones_like(x),))
+
+    heads = _heads(groups, group)
+    n = s.shape[0] // len(heads)
+    parts = [on_head(s[i * n:(i + 1) * n] if len(heads) > 1 else s, h)
+             for i, h in enumerate(heads)]
+    out = fold_heads([p[0] for p in parts])
+    slopes = [p[1] for p in parts if p[1] is not None]
+    slope = fold_heads(slopes) if slopes else None
+    return out, slope
+
+
+def apply_mask_mod(cfg: KernelConfig, bi: Array, hi: Array, groups: int,
+                   q_start: Array | int, k_start: Array | int, shape: tuple[int, int],
+                   group: int | None = None) -> Array | None:
+    """Which pairs of a tile the `mask_mod` keeps (None without one): `(g, n, cols)` for
+    a folded tile of `shape` `(g * n, cols)` (the layout the kernels' masks broadcast
+    in), or `shape` itself, `(keys, queries)`, for one query head `group`."""
+    mods = cfg.mods
+    if mods is None or mods.mask is None:
+        return None
+    mask_mod = _function(mods.mask)
+    transposed = group is not None
+    rows = shape[0] if transposed else shape[0] // groups
+
+    def on_head(h: int) -> Array:
+        idx = _indices(bi, hi * groups + h, q_start, k_start, (rows, shape[1]), transposed)
+        return jnp.broadcast_to(mask_mod(*idx), (rows, shape[1]))
+
+    parts = [on_head(h) for h in _heads(groups, group)]
+    if transposed:
+        return parts[0]
+    if len(parts) == 1:
+        return parts[0][None]
+    # Stacked as int32 (a leading-axis concatenation of 32-bit tiles), then compared.
+    return jnp.stack([p.astype(jnp.int32) for p in parts]) != 0
+
+
+def and_masks(a: Array | None, b: Array | None) -> Array | None:
+    """Both masks (None: keeps every pair)."""
+    return b if a is None else a if b is None else a & b
+
+
+def score_mod(cfg: KernelConfig, u: Units, *, bi: Array, hi: Array, groups: int,
+              q_start: Array | int, k_start: Array | int, group: int | None = None,
+              derivative: bool = True) -> ScoreMod | None:
+    """The `score_mod` of one tile as `_tile.logits` takes it, with its derivative where
+    asked (the backward and the tangent kernels); None without a score_mod."""
+    if cfg.mods is None or cfg.mods.score is None:
+        return None
+    return functools.partial(apply_score_mod, cfg, u.before_cap, bi=bi, hi=hi, groups=groups,
+                             q_start=q_start, k_start=k_start, group=group,
+                             derivative=derivative)
