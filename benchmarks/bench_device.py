@@ -2,7 +2,7 @@
 
     python benchmarks/bench_device.py [--preset quick|full|sweep] [--seqs 1024 4096 ...]
         [--modes fwd fwd+bwd jvp] [--causal both|yes|no] [--configs h16d128 h16d64 gqa32-8]
-        [--impls SUBSTRING ...] [--features alibi dropout bias] [--rounds 5] [--blocks 512 1024 2048]
+        [--impls SUBSTRING ...] [--features alibi dropout bias ...] [--rounds 5] [--blocks 512 1024 2048]
         [--time-budget S]
         [--json out.json] [--markdown out.md] [--plot out.png]
     python benchmarks/bench_device.py --replot out.json [--plot out.png]   # no device needed
@@ -18,7 +18,9 @@ name contains one of the given substrings):
   `kernels=`, one more row per kernel family (`eqx_flash[xla]`, ...); with `--features`,
   one more per family and feature (`eqx_flash[pallas_tpu]+alibi`: ALiBi's standard
   slopes, constants; `+dropout`: rate 0.1; `+bias`: a bias per head and pair, bf16,
-  trained: fwd+bwd takes its gradient), for what the feature costs.
+  trained: fwd+bwd takes its gradient; `+softcap`: `softcap=30`; `+softcap_mod`: the
+  same cap written as a `score_mod`; `+window_mod`: a causal window of 1024 keys as a `mask_mod`, evaluated on
+  every block), for what the feature costs.
 - `pallas flash bN`: `jax.experimental.pallas.ops.tpu.flash_attention` with every block
   size N of `--blocks` (k and v repeated to the query heads for GQA: it has none).
 - `splash bN`: `splash_attention.make_splash_mha` (a `CausalMask` or `FullMask` per head,
@@ -173,7 +175,18 @@ FEATURES: dict[str, Callable[[Config, int], dict[str, Any]]] = {
     "dropout": lambda config, seq: {"dropout_rate": 0.1, "key": jax.random.key(0)},
     "bias": lambda config, seq: {"bias": 0.1 * jax.random.normal(
         jax.random.key(1), (config.heads, seq, seq), jnp.bfloat16)},
+    "softcap": lambda config, seq: {"softcap": 30.0},
+    "softcap_mod": lambda config, seq: {"score_mod": _softcap_mod},
+    "window_mod": lambda config, seq: {"mask_mod": _window_mod},
 }
+
+
+def _softcap_mod(score, batch, head, q_idx, kv_idx):  # Gemma 2's soft cap, as a score_mod
+    return 30.0 * jnp.tanh(score / 30.0)
+
+
+def _window_mod(batch, head, q_idx, kv_idx):  # a causal window of 1024 keys, as a mask_mod
+    return (kv_idx <= q_idx) & (q_idx - kv_idx < 1024)
 # Features whose array is trained: the array is an input of the timed program (after q, k, v),
 # and fwd+bwd takes its gradient too.
 TRAINED = {"bias"}
