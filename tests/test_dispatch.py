@@ -134,18 +134,23 @@ def test_second_order_hands_mosaic_kernels_to_the_xla_family():
     assert dispatch.differentiable(xla) is xla
 
 
-def test_none_passes_over_what_a_family_has_not_run_on_its_device(monkeypatch):
+def test_none_passes_over_what_a_family_leaves_to_the_xla_kernels(monkeypatch):
     """Where the Pallas kernels come first (one TPU, simulated here), `kernels=None`
-    keeps the pure-JAX kernels for what the Pallas family covers but a TPU has not yet
-    compiled (`KernelFamily.untried`: a bias, an `attn_mask`), and says why; asked for by
-    name, the Pallas kernels run it."""
+    keeps the pure-JAX kernels for what the Pallas family covers but passes over
+    (`KernelFamily.passes_over`: a `mask_mod`, whose block summary only the pure-JAX
+    kernels skip by), and says why; asked for by name, the Pallas kernels run it. A bias
+    and an `attn_mask` (compiled and checked on a TPU) are the Pallas family's."""
     monkeypatch.setattr(dispatch, "default_order", lambda machine: ("pallas_tpu", "xla"))
-    with_bias = _call(bias=jnp.zeros((20, 28)))
+
+    def window(b, h, i, j):
+        return (j <= i) & (i - j < 8)
+
+    windowed = _call(mask_mod=window)
     assert dispatch.choose(_call()).family == "pallas_tpu"
-    assert dispatch.choose(with_bias).family == "xla"
-    assert dispatch.choose(with_bias, "pallas_tpu").family == "pallas_tpu"
-    family, reason = dispatch.why(with_bias)
-    assert family == "xla" and "bias" in reason and "not yet compiled" in reason
-    masked = _call(attn_mask=jnp.ones((20, 28), bool))
-    assert dispatch.choose(masked).family == "xla"
-    assert dispatch.why(masked, "pallas_tpu")[0] == "pallas_tpu"
+    assert dispatch.choose(windowed).family == "xla"
+    assert dispatch.choose(windowed, "pallas_tpu").family == "pallas_tpu"
+    family, reason = dispatch.why(windowed)
+    assert family == "xla" and "mask_mod" in reason and "kernels='pallas_tpu'" in reason
+    for extra in (dict(bias=jnp.zeros((20, 28))), dict(attn_mask=jnp.ones((20, 28), bool)),
+                  dict(score_mod=lambda s, b, h, i, j: s - 0.1 * (i - j).astype(s.dtype))):
+        assert dispatch.choose(_call(**extra)).family == "pallas_tpu", extra

@@ -63,9 +63,9 @@ d_lse)`: both in one pass (`jax.jvp` where nothing is transposed).
 configuration says so (`KernelConfig.split_k`; its derivatives are the regular ones).
 
 A family also says which calls it runs (`Covers`: the reason it does not, or None),
-which of those the default choice should pass over until they have run on the family's
-device (`Untried`), and may resolve its own configuration (`Configure`; None: xla's
-block policy).
+which of those the default choice should pass over (`PassesOver`: not yet run on the
+family's device, or slower there than the xla family), and may resolve its own
+configuration (`Configure`; None: xla's block policy).
 """
 
 from collections.abc import Callable
@@ -139,7 +139,7 @@ class Covers(Protocol):
     def __call__(self, cfg: KernelConfig, call: Call, /) -> str | None: ...
 
 
-class Untried(Protocol):
+class PassesOver(Protocol):
     """Why `kernels=None` passes over a call the family covers (None: it does not)."""
 
     def __call__(self, call: Call, /) -> str | None: ...
@@ -168,9 +168,10 @@ class KernelFamily(NamedTuple):
     # Whether JAX can differentiate the kernels themselves (second order differentiates
     # the first-order kernels; `dispatch.differentiable` swaps in xla's where not).
     differentiable: bool = True
-    # What the family covers but has not yet run on its device (compiled and timed there):
-    # `kernels=None` passes such a call on, saying why; an explicit request runs it.
-    untried: Untried | None = None
+    # What the family covers but the default choice passes over (not yet run on its
+    # device, or slower there): `kernels=None` passes such a call on, saying why; an
+    # explicit request runs it.
+    passes_over: PassesOver | None = None
     # Whether its kernels read a `mask_mod`'s block summary (`ops.block_flags`), which
     # is derived for them (a pass over every pair) where the call gives no `block_mask`.
     reads_block_flags: bool = True

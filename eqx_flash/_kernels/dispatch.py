@@ -67,13 +67,13 @@ def choose(call: Call, kernels: str | None = None, *, split_k: bool = True) -> K
 def _passed_over(name: str, cfg: KernelConfig, call: Call, kernels: str | None
                  ) -> str | None:
     """Why family `name` does not run `call` (None: it does): what it does not cover, or,
-    for `kernels=None`, what it covers but has not yet run on its device."""
+    for `kernels=None`, what it covers but the default choice passes over."""
     family = FAMILIES[name]
     reason = family.covers(cfg, call)
-    if reason is None and kernels is None and family.untried is not None:
-        untried = family.untried(call)
-        if untried is not None:
-            reason = f"{untried} (run them with kernels={name!r})"
+    if reason is None and kernels is None and family.passes_over is not None:
+        passed = family.passes_over(call)
+        if passed is not None:
+            reason = f"{passed} (run them with kernels={name!r})"
     return reason
 
 

@@ -62,15 +62,13 @@ def covers(cfg: KernelConfig, call: Call) -> str | None:
     return None if not reasons else "; ".join(reasons)
 
 
-def untried(call: Call) -> str | None:
-    """What the kernels cover but a TPU has not yet compiled and timed: `kernels=None`
-    keeps the pure-JAX kernels for it until then."""
-    ops = call.ops
-    named = [name for name, x in (("bias", ops.bias), ("attn_mask", ops.pair_mask),
-                                  ("score_mod", call.score_mod), ("mask_mod", call.mask_mod))
-             if x is not None]
-    if named:
-        return f"{' and '.join(named)} in the Pallas kernels are not yet compiled on a TPU"
+def passes_over(call: Call) -> str | None:
+    """What the kernels cover but `kernels=None` leaves to the pure-JAX kernels: a
+    `mask_mod`, whose block summary lets those skip the blocks it empties and does not
+    yet drive this family's plan (every block the band leaves is computed here)."""
+    if call.mask_mod is not None:
+        return ("a mask_mod's block summary does not yet drive the Pallas kernels' plan; "
+                "the pure-JAX kernels skip the blocks it empties")
     return None
 
 
@@ -122,7 +120,7 @@ FAMILY = KernelFamily(
     forward_and_tangent=forward_and_tangent,
     configure=configure,
     differentiable=False,
-    untried=untried,
+    passes_over=passes_over,
     # A mask_mod is evaluated on every block the plan visits (its summary does not yet
     # drive the plan).
     reads_block_flags=False,
