@@ -272,3 +272,15 @@ def examples(n: int) -> settings:
     of 15; `dev`: 200 of 15), at least 2; no deadline."""
     scaled = round(n * settings().max_examples / _CI_EXAMPLES)
     return settings(max_examples=max(2, scaled), deadline=None)
+
+
+# A score_mod and a mask_mod the Pallas kernels run (elementwise, holding no arrays): a
+# soft cap with a per-head distance penalty; a window per head, a prefix per batch
+# element, and rows it empties.
+def capped_distance(score, b, h, i, j):
+    return 20.0 * jnp.tanh(score / 20.0) - 0.05 * (h + 1).astype(score.dtype) * jnp.abs(
+        i - j).astype(score.dtype)
+
+
+def sliding_prefix(b, h, i, j):
+    return (((j <= i) & (i - j < 40 + 10 * h)) | (j < 8 * (b + 1))) & (i % 50 != 7)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, assert_lse_close, qkv
+from helpers import assert_close, assert_lse_close, capped_distance, qkv, sliding_prefix
 
 import eqx_flash
 from eqx_flash import flash_attention, plain_attention
@@ -170,24 +170,15 @@ def _compare_with_array(q, k, v, case, argument, x, tangent):
     assert_close(jnp.where(jnp.isfinite(lse), t_lse, 0.0),
                  jnp.where(jnp.isfinite(lse), r_lse, 0.0), kind="grad", name="jvp lse")
 
-def _capped_distance(score, b, h, i, j):  # a soft cap and a per-head distance penalty
-    return 20.0 * jnp.tanh(score / 20.0) - 0.05 * (h + 1).astype(score.dtype) * jnp.abs(
-        i - j).astype(score.dtype)
-
-
-def _sliding(b, h, i, j):  # a window per head, a prefix per batch element, empty rows
-    return (((j <= i) & (i - j < 40 + 10 * h)) | (j < 8 * (b + 1))) & (i % 50 != 7)
-
-
 def test_score_and_mask_mods_against_reference():
     """A `score_mod` and a `mask_mod` evaluated in the kernels, per query head (GQA 4/2;
     200 queries on 300 keys): values, lse and the gradients of q, k, v through the fused
     backward; with a trained bias (the dq and dk/dv kernels) its gradient and a jvp too;
     rows the mask_mod empties give 0 and -inf."""
     q, k, v = qkv(21, (2, 4, 200, 32), (2, 2, 300, 32))
-    _compare(q, k, v, score_mod=_capped_distance, mask_mod=_sliding, softcap=3.0)
+    _compare(q, k, v, score_mod=capped_distance, mask_mod=sliding_prefix, softcap=3.0)
     bias = jax.random.normal(jax.random.key(22), (200, 1))
-    case = dict(score_mod=_capped_distance, mask_mod=_sliding, causal=True)
+    case = dict(score_mod=capped_distance, mask_mod=sliding_prefix, causal=True)
     _compare_with_array(q, k, v, case, "bias", bias, jnp.sin(bias))
 
 
@@ -202,8 +193,8 @@ def test_which_mods_run_in_the_kernels():
     reasons = {
         "closing over arrays": dict(score_mod=looked_up),
         "holding arrays": dict(score_mod=eqx_flash.ALiBi(2)),
-        "block summary": dict(mask_mod=_sliding, block_mask=eqx_flash.make_block_mask(
-            _sliding, (1,), 2, 64, 64, block_q=32, block_k=32)),
+        "block summary": dict(mask_mod=sliding_prefix, block_mask=eqx_flash.make_block_mask(
+            sliding_prefix, (1,), 2, 64, 64, block_q=32, block_k=32)),
     }
     for expected, options in reasons.items():
         family, reason = eqx_flash.kernel_family(q, k, v, kernels="pallas_tpu", **options)
@@ -211,7 +202,7 @@ def test_which_mods_run_in_the_kernels():
         with pytest.raises(NotImplementedError, match=expected):
             flash_attention(q, k, v, **PALLAS, **options)
     family, _ = eqx_flash.kernel_family(q, k, v, kernels="pallas_tpu",
-                                        score_mod=_capped_distance, mask_mod=_sliding)
+                                        score_mod=capped_distance, mask_mod=sliding_prefix)
     assert family == "pallas_tpu"
 
 
@@ -365,7 +356,7 @@ def test_inside_a_users_shard_map():
     # A score_mod on the ring's pieces would need their global indices: not yet.
     ring_mod = jax.shard_map(
         lambda q, k, v: eqx_flash.ring_flash_attention(q, k, v, axis_name="x",
-                                                       score_mod=_capped_distance, **PALLAS),
+                                                       score_mod=capped_distance, **PALLAS),
         mesh=mesh, in_specs=(seq,) * 3, out_specs=(seq, seq), check_vma=False)
     with pytest.raises(NotImplementedError, match="ring's pieces"):
         ring_mod(q, k, v)

@@ -9,6 +9,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import capped_distance, sliding_prefix
 
 from eqx_flash import flash_attention
 
@@ -116,15 +117,6 @@ def test_bias_and_pair_masks_lower_to_mosaic_kernels(blocks):
         assert "tpu_custom_call" in exported.mlir_module(), shape
 
 
-def _capped_distance(score, b, h, i, j):  # a soft cap and a per-head distance penalty
-    return 20.0 * jnp.tanh(score / 20.0) - 0.05 * (h + 1).astype(score.dtype) * jnp.abs(
-        i - j).astype(score.dtype)
-
-
-def _sliding(b, h, i, j):  # a per-head window, and a prefix every query sees
-    return ((j <= i) & (i - j < 70 + 10 * h)) | (j < 8 * (b + 1))
-
-
 @pytest.mark.parametrize("blocks", [BLOCKS, {}], ids=["blocks 64x128", "default blocks"])
 def test_score_and_mask_mods_lower_to_mosaic_kernels(blocks):
     """A `score_mod` and a `mask_mod` (elementwise, holding no arrays) run inside the
@@ -134,8 +126,8 @@ def test_score_and_mask_mods_lower_to_mosaic_kernels(blocks):
     for dtype in (jnp.float32, jnp.bfloat16):
         q = jax.ShapeDtypeStruct((2, 4, 160, 64), dtype)
         kv = jax.ShapeDtypeStruct((2, 2, 300, 64), dtype)
-        for options in (dict(score_mod=_capped_distance),
-                        dict(score_mod=_capped_distance, mask_mod=_sliding, causal=True,
+        for options in (dict(score_mod=capped_distance),
+                        dict(score_mod=capped_distance, mask_mod=sliding_prefix, causal=True,
                              softcap=30.0)):
             flash = functools.partial(flash_attention, **PALLAS, **blocks, **options)
 

@@ -155,7 +155,7 @@ def _trace(name: str, call: Callable[..., Any], probe: Probe, leaves: Any):
         ) from e
 
 
-def _sub_jaxprs(params: dict[str, Any]) -> list[Any]:
+def sub_jaxprs(params: dict[str, Any]) -> list[Any]:
     """The jaxprs among a higher-order primitive's parameters (`jit`, `custom_jvp_call`,
     ...)."""
     found = []
@@ -176,7 +176,7 @@ def _mixes_elements(jaxpr: Any, tainted: set) -> str | None:
             continue
         if eqn.primitive.name in _MIXING:
             return eqn.primitive.name
-        for sub in _sub_jaxprs(eqn.params):
+        for sub in sub_jaxprs(eqn.params):
             if len(sub.invars) == len(eqn.invars):
                 inner = {v for v, h in zip(sub.invars, hit, strict=True) if h}
                 found = _mixes_elements(sub, inner)

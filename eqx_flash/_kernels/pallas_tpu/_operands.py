@@ -38,7 +38,7 @@ from ..._core.options import Window
 from ..._semantics.dropout import flat_head_index, head_seed, keep_for_head
 from ..._semantics.masking import length_mask, positional_mask, within_window
 from ..._semantics.score_terms import alibi_distance
-from ._tile import fold_heads
+from ._tile import and_masks, fold_heads
 
 LANES, SUBLANES = 128, 8
 
@@ -261,9 +261,6 @@ class BlockOperands:
         q_pos, k_pos = self._coordinates(tile, q_start, k_start)
         mask = None
 
-        def conj(a, b):
-            return b if a is None else a & b
-
         if positional is not False:
             if cfg.seq_k == cfg.padded_seq[1] and not cfg.band_window.is_unbounded:
                 # No key padding at all: the band alone (`positional_mask` without its
@@ -275,20 +272,20 @@ class BlockOperands:
                 band = band | jnp.logical_not(positional)
             mask = band
         if "key_mask" in values:
-            mask = conj(mask, values["key_mask"] != 0)
+            mask = and_masks(mask, values["key_mask"] != 0)
         if self.has("pair_mask"):
-            mask = conj(mask, self._pair(refs, "pair_mask", group, keys, queries) != 0)
+            mask = and_masks(mask, self._pair(refs, "pair_mask", group, keys, queries) != 0)
         if "q_segment_ids" in values:
-            mask = conj(mask, values["q_segment_ids"] == values["kv_segment_ids"])
+            mask = and_masks(mask, values["q_segment_ids"] == values["kv_segment_ids"])
         if self.has_positions:
-            mask = conj(mask, within_window(None, values["kv_positions"],
+            mask = and_masks(mask, within_window(None, values["kv_positions"],
                                             values["q_positions"], cfg.window))
         if self.has_lengths:
             q_len = self.table(tables, "q_lengths")[bi]
             kv_len = self.table(tables, "kv_lengths")[bi]
             # (`masking.length_window`: positions place the window themselves.)
             window = Window(None, None) if self.has_positions else cfg.window
-            mask = conj(mask, length_mask(q_pos, k_pos, q_len, kv_len, window))
+            mask = and_masks(mask, length_mask(q_pos, k_pos, q_len, kv_len, window))
         if mask is not None:
             mask = jnp.broadcast_to(mask, jnp.broadcast_shapes(mask.shape, tile[-2:]))
         return mask
@@ -374,8 +371,11 @@ def masks_some_pairs(cfg: KernelConfig, ops: Operands, any_partial: bool) -> boo
     """Whether a pair the plan visits may be masked (then the kernels keep a value that
     is not finite from reaching the queries that do not attend it): a plan with partial
     blocks, a mask known at run time, or a `mask_mod`."""
-    mask_mod = cfg.mods is not None and cfg.mods.mask is not None
-    return any_partial or ops.has_data_mask or ops.has_positions or mask_mod
+    return any_partial or ops.has_data_mask or ops.has_positions or _has_mask_mod(cfg)
+
+
+def _has_mask_mod(cfg: KernelConfig) -> bool:
+    return cfg.mods is not None and cfg.mods.mask is not None
 
 
 def prepare(cfg: KernelConfig, ops: Operands, heads: tuple[int, ...], v: Array | None,
@@ -423,8 +423,8 @@ def prepare(cfg: KernelConfig, ops: Operands, heads: tuple[int, ...], v: Array |
     pairs = [_pair_layout(name, x, transposed, cfg.block_q) for name, x in (
         ("pair_mask", ops.pair_mask), ("bias", ops.bias),
         ("bias_tangent", None if d_ops is None else d_ops.bias)) if x is not None]
-    mask_mod = cfg.mods is not None and cfg.mods.mask is not None
-    masks_data = bool(parts) or ops.has_lengths or ops.pair_mask is not None or mask_mod
+    masks_data = (bool(parts) or ops.has_lengths or ops.pair_mask is not None
+                  or _has_mask_mod(cfg))
     if v is not None:
         bad = jnp.logical_not(jnp.all(jnp.isfinite(v), axis=-1))  # (b, h, seq_k)
         add("bad_key", bad[:, :, None, None, :], False)

@@ -153,6 +153,11 @@ def add_terms(a: Array | None, b: Array | None) -> Array | None:
     return b if a is None else a if b is None else a + b
 
 
+def and_masks(a: Array | None, b: Array | None) -> Array | None:
+    """Both masks, either of which may be absent (None: keeps every pair)."""
+    return b if a is None else a if b is None else a & b
+
+
 def fold_heads(parts: list[Array]) -> Array:
     """One `(rows, cols)` tile per query head as the tile of the heads folded into its
     rows, `(g * rows, cols)` (the layout of the forward's and the dq kernel's logits)."""

@@ -28,12 +28,11 @@ from typing import Any
 
 import equinox as eqx
 import jax
-import jax.extend as jex
 import jax.numpy as jnp
 from jaxtyping import Array
 
 from ..._core.config import KernelConfig
-from ..._mods.tracing import ModFn, block_probe
+from ..._mods.tracing import ModFn, block_probe, sub_jaxprs
 from ._tile import ScoreMod, Units, fold_heads
 
 # Primitives every Mosaic lowering of this jax has a rule for, elementwise ones only.
@@ -77,13 +76,10 @@ def _unlowered(jaxpr: Any) -> str | None:
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
         if name in _NESTED:
-            for value in eqn.params.values():
-                for sub in value if isinstance(value, tuple | list) else (value,):
-                    inner = sub.jaxpr if isinstance(sub, jex.core.ClosedJaxpr) else sub
-                    if isinstance(inner, jex.core.Jaxpr):
-                        found = _unlowered(inner)
-                        if found is not None:
-                            return found
+            for sub in sub_jaxprs(eqn.params):
+                found = _unlowered(sub)
+                if found is not None:
+                    return found
             continue
         if name not in _ELEMENTWISE:
             return name
@@ -176,11 +172,6 @@ def apply_mask_mod(cfg: KernelConfig, bi: Array, hi: Array, groups: int,
         return parts[0][None]
     # Stacked as int32 (a leading-axis concatenation of 32-bit tiles), then compared.
     return jnp.stack([p.astype(jnp.int32) for p in parts]) != 0
-
-
-def and_masks(a: Array | None, b: Array | None) -> Array | None:
-    """Both masks (None: keeps every pair)."""
-    return b if a is None else a if b is None else a & b
 
 
 def score_mod(cfg: KernelConfig, u: Units, *, bi: Array, hi: Array, groups: int,

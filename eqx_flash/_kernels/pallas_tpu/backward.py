@@ -42,6 +42,7 @@ from ._tile import (
     Tuning,
     Units,
     add_terms,
+    and_masks,
     dot,
     lanes,
     logits,
@@ -49,7 +50,7 @@ from ._tile import (
     units,
 )
 from ._tile import prepared_queries as _prepared_queries
-from ._tile_mods import and_masks, apply_mask_mod, score_mod
+from ._tile_mods import apply_mask_mod, score_mod
 
 # VMEM a fused backward may spend on the whole head's dq (its float32 accumulator and
 # the double-buffered output block); past it, the dq kernel runs instead.

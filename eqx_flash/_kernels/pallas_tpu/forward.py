@@ -34,6 +34,7 @@ from ._tile import (
     Tuning,
     Units,
     add_terms,
+    and_masks,
     dot,
     lanes,
     logits,
@@ -41,7 +42,7 @@ from ._tile import (
     prepared_queries,
     units,
 )
-from ._tile_mods import and_masks, apply_mask_mod, score_mod
+from ._tile_mods import apply_mask_mod, score_mod
 
 _FLOOR = float(jnp.finfo(jnp.float32).min)  # `softmax.start`'s running-max floor
 

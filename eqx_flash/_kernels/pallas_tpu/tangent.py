@@ -31,6 +31,7 @@ from ._tile import (
     Tuning,
     Units,
     add_terms,
+    and_masks,
     dot,
     lanes,
     logits,
@@ -38,7 +39,7 @@ from ._tile import (
     prepared_queries,
     units,
 )
-from ._tile_mods import and_masks, apply_mask_mod, score_mod
+from ._tile_mods import apply_mask_mod, score_mod
 from .forward import _FLOOR, _vmem_bytes, _write_finish
 
 
