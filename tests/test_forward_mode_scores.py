@@ -157,8 +157,8 @@ def test_hessian_through_the_bias():
         return jnp.sum(fn(q, k, v, bias=bias, block_q=2, block_k=2)[0] ** 2)
 
     bias = seeded_normal(9, (3, 4))
-    got = jax.hessian(functools.partial(f, flash_attention))(bias)
-    expected = jax.hessian(functools.partial(f, _plain))(bias)
+    got = jax.jit(jax.hessian(functools.partial(f, flash_attention)))(bias)
+    expected = jax.jit(jax.hessian(functools.partial(f, _plain)))(bias)
     np.testing.assert_allclose(got, expected, atol=2e-5)
 
 

@@ -248,9 +248,9 @@ def test_empty_rows_and_nonfinite_values():
     out, _ = flash_attention(q, k, v, causal=True, **PALLAS, **BLOCKS)
     ref, _ = plain_attention(q, k, v, causal=True)
     np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
-    grads = jax.grad(lambda v: _loss(functools.partial(flash_attention, **PALLAS, **BLOCKS),
-                                     q, k, v, causal=True))(v)
-    want = jax.grad(lambda v: _loss(plain_attention, q, k, v, causal=True))(v)
+    grads = jax.jit(jax.grad(lambda v: _loss(functools.partial(
+        flash_attention, **PALLAS, **BLOCKS), q, k, v, causal=True)))(v)
+    want = jax.jit(jax.grad(lambda v: _loss(plain_attention, q, k, v, causal=True)))(v)
     np.testing.assert_array_equal(np.isnan(grads), np.isnan(want))
 
 
@@ -276,9 +276,12 @@ def test_transforms_and_second_order():
         return jax.jvp(jax.grad(loss), (q,), (jnp.cos(q),))[1]
 
     pallas = functools.partial(flash_attention, **PALLAS, **BLOCKS)
-    assert_close(hvp(pallas), hvp(plain_attention), kind="grad", scale=4.0, name="hvp")
-    tangent = jax.jvp(lambda q: pallas(q, k, v, causal=True)[0], (q,), (v,))[1]
-    ref = jax.jvp(lambda q: plain_attention(q, k, v, causal=True)[0], (q,), (v,))[1]
+    assert_close(jax.jit(lambda: hvp(pallas))(), jax.jit(lambda: hvp(plain_attention))(),
+                 kind="grad", scale=4.0, name="hvp")
+    tangent = jax.jit(lambda q: jax.jvp(lambda q: pallas(q, k, v, causal=True)[0], (q,),
+                                        (v,))[1])(q)
+    ref = jax.jit(lambda q: jax.jvp(lambda q: plain_attention(q, k, v, causal=True)[0], (q,),
+                                    (v,))[1])(q)
     assert_close(tangent, ref, kind="grad", name="jvp")
 
 
@@ -375,6 +378,6 @@ def _compare_on(attention, q, k, v, **options):
     want = jax.jit(grad(lambda q, k, v: _loss(reference, q, k, v)))(q, k, v)
     for name, a, b in zip("qkv", got, want, strict=True):
         assert_close(a, b, kind="grad", name=f"d{name}")
-    tangent = jax.jvp(lambda q: attention(q, k, v)[0], (q,), (v,))[1]
-    ref = jax.jvp(lambda q: plain_attention(q, k, v, **options)[0], (q,), (v,))[1]
+    tangent = jax.jit(lambda q: jax.jvp(lambda q: attention(q, k, v)[0], (q,), (v,))[1])(q)
+    ref = jax.jit(lambda q: jax.jvp(lambda q: reference(q, k, v)[0], (q,), (v,))[1])(q)
     assert_close(tangent, ref, kind="grad", name="jvp")

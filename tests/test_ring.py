@@ -255,14 +255,15 @@ def test_strategy_errors():
 def _assert_same_first_derivatives(expected_fn, fn, q):
     """Values, the gradient of `sum(out)` and a jvp along q of `fn(q) -> (out, lse)` as
     `expected_fn`'s (-inf in the same places)."""
-    for transform in (lambda f: f(q), lambda f: jax.grad(lambda q: jnp.sum(f(q)[0]))(q),
-                      lambda f: jax.jvp(f, (q,), (jnp.cos(q),))[1]):
-        for a, b in zip(jax.tree.leaves(transform(expected_fn)), jax.tree.leaves(transform(fn)),
-                        strict=True):
-            a, b = np.asarray(a), np.asarray(b)
-            np.testing.assert_array_equal(np.isneginf(a), np.isneginf(b))
-            finite = np.isfinite(a)
-            np.testing.assert_allclose(a[finite], b[finite], atol=1e-5)
+    def transforms(f):  # one compiled program (eagerly, each op is its own)
+        return f(q), jax.grad(lambda q: jnp.sum(f(q)[0]))(q), jax.jvp(f, (q,), (jnp.cos(q),))[1]
+
+    expected, got = (jax.jit(lambda f=f: transforms(f))() for f in (expected_fn, fn))
+    for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(got), strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        np.testing.assert_array_equal(np.isneginf(a), np.isneginf(b))
+        finite = np.isfinite(a)
+        np.testing.assert_allclose(a[finite], b[finite], atol=1e-5)
 
 
 # Per strategy: the seed of the inputs and the options beyond the shared score_mod and
@@ -474,9 +475,12 @@ def test_ring_in_a_user_shard_map_with_check_vma():
 def test_flash_attention_in_a_user_data_parallel_shard_map():
     """`flash_attention` on batch shards inside the user's shard_map (check_vma=True),
     every per-call array at once and a score_mod/mask_mod closing over its arrays, one
-    block per sequence (#41): values, gradients, jvp and HVP equal the unsharded call's."""
+    block per sequence (#41), causal and windowed: values, gradients, jvp (and an HVP,
+    causal) equal the unsharded call's."""
     result = multidevice("flash_in_user_shard_map")
-    assert len(result) == 8, result
+    compared = [f"{name}_{part}" for name in ("causal", "window")
+                for part in ("values", "grads", "jvp")] + ["causal_hvp"]
+    assert sorted(result) == sorted(compared), result
     for name, err in result.items():
         assert err < TOL, (name, result)
 
