@@ -60,8 +60,19 @@ def test_values_residual_and_gradients_match_jax_nn(option, lengths):
     seq_q, seq_k = LENGTHS[lengths]
     q, k, v, keys = _inputs(seq_q, seq_k)
     kw = _kwargs(option, seq_q, seq_k, keys)
+    weights = jax.random.normal(jax.random.key(9), q.shape)
+
+    def loss(fn, q, k, v):
+        return jnp.sum(fn(q, k, v, **kw) * weights)
+
+    @jax.jit  # jax.nn's values, residual and gradients in one program
+    def reference(q, k, v):
+        grads = jax.grad(functools.partial(loss, jax.nn.dot_product_attention),
+                         argnums=(0, 1, 2))(q, k, v)
+        return jax.nn.dot_product_attention(q, k, v, **kw, return_residual=True), grads
+
     out, lse = eqx_flash.dot_product_attention(q, k, v, **kw, return_residual=True)
-    ref_out, ref_lse = jax.nn.dot_product_attention(q, k, v, **kw, return_residual=True)
+    (ref_out, ref_lse), ref_grads = reference(q, k, v)
     assert out.shape == ref_out.shape == q.shape and lse.shape == ref_lse.shape == q.shape[:-1]
     rows = _attended(lse)
     assert rows.any()
@@ -69,19 +80,10 @@ def test_values_residual_and_gradients_match_jax_nn(option, lengths):
     assert_close(np.where(rows, lse, 0), np.where(rows, ref_lse, 0), kind="lse")
     if "query_seq_lengths" in kw:  # padded rows are 0 in both
         assert np.all(np.asarray(out)[1, kw["query_seq_lengths"][1]:] == 0)
-
-    weights = jax.random.normal(jax.random.key(9), q.shape)
-    weights = jnp.where(jnp.asarray(rows)[..., None], weights, 0.0)
-
-    def loss(fn, q, k, v):
-        return jnp.sum(fn(q, k, v, **kw) * weights)
-
-    grads = jax.grad(functools.partial(loss, eqx_flash.dot_product_attention),
-                     argnums=(0, 1, 2))(q, k, v)
-    ref_grads = jax.grad(functools.partial(loss, jax.nn.dot_product_attention),
-                         argnums=(0, 1, 2))(q, k, v)
     if not rows.all():  # rows without keys: jax.nn still sends them gradient; ours none
         return
+    grads = jax.jit(jax.grad(functools.partial(loss, eqx_flash.dot_product_attention),
+                             argnums=(0, 1, 2)))(q, k, v)
     for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads, strict=True):
         assert_close(g, r, kind="grad", name=name)
 
@@ -90,16 +92,22 @@ def test_bias_gradient_and_bf16():
     q, k, v, keys = _inputs(16, 24)
     bias = jax.random.normal(keys[0], (B, N, 16, 24))
 
-    def loss(fn, bias):
+    def loss(fn, bias, q, k, v):
         return jnp.sum(fn(q, k, v, bias, is_causal=True) ** 2)
 
-    got = jax.grad(functools.partial(loss, eqx_flash.dot_product_attention))(bias)
-    expected = jax.grad(functools.partial(loss, jax.nn.dot_product_attention))(bias)
+    @jax.jit  # everything below in one program
+    def results(q, k, v, bias):
+        got = jax.grad(functools.partial(loss, eqx_flash.dot_product_attention))(bias, q, k, v)
+        expected = jax.grad(functools.partial(loss, jax.nn.dot_product_attention))(
+            bias, q, k, v)
+        qb, kb, vb = (x.astype(jnp.bfloat16) for x in (q, k, v))
+        out = eqx_flash.dot_product_attention(qb, kb, vb, is_causal=True)
+        with jax.numpy_dtype_promotion("standard"):  # jax.nn's own code mixes bf16 and f32
+            ref = jax.nn.dot_product_attention(qb, kb, vb, is_causal=True)
+        return got, expected, out, ref
+
+    got, expected, out, ref = results(q, k, v, bias)
     assert_close(got, expected, kind="grad")
-    qb, kb, vb = (x.astype(jnp.bfloat16) for x in (q, k, v))
-    out = eqx_flash.dot_product_attention(qb, kb, vb, is_causal=True)
-    with jax.numpy_dtype_promotion("standard"):  # jax.nn's own code mixes bf16 and f32
-        ref = jax.nn.dot_product_attention(qb, kb, vb, is_causal=True)
     assert out.dtype == ref.dtype == jnp.bfloat16
     assert_close(out, ref, dtype=jnp.bfloat16)
 
@@ -108,9 +116,10 @@ def test_unbatched_and_jit():
     q, k, v, _ = _inputs(12, 20)
     fn = jax.jit(functools.partial(eqx_flash.dot_product_attention, is_causal=True,
                                    return_residual=True))
-    out, lse = fn(q[0], k[0], v[0])
-    ref, ref_lse = jax.nn.dot_product_attention(q[0], k[0], v[0], is_causal=True,
-                                                return_residual=True)
+    q, k, v = (jnp.asarray(np.asarray(x)[0]) for x in (q, k, v))
+    out, lse = fn(q, k, v)
+    ref, ref_lse = jax.jit(functools.partial(jax.nn.dot_product_attention, is_causal=True,
+                                             return_residual=True))(q, k, v)
     assert out.shape == (12, N, H) and lse.shape == (12, N)
     assert_close(out, ref)
     assert_close(lse, ref_lse, kind="lse")
@@ -177,9 +186,14 @@ def test_errors_name_the_argument():
     (5, 40, (3, 1)), (33, 1, None), (33, 7, (3, 1)), (33, 40, (3, 1))])
 def test_small_and_ragged_lengths(seq_q, seq_k, window):
     q, k, v, _ = _inputs(seq_q, seq_k, seed=3)
-    out, lse = eqx_flash.dot_product_attention(q, k, v, is_causal=True,
-                                               local_window_size=window, return_residual=True)
-    ref = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=window)
+
+    @jax.jit  # both in one program (each case has shapes of its own)
+    def both(q, k, v):
+        kw = dict(is_causal=True, local_window_size=window)
+        return (eqx_flash.dot_product_attention(q, k, v, **kw, return_residual=True),
+                jax.nn.dot_product_attention(q, k, v, **kw))
+
+    (out, lse), ref = both(q, k, v)
     rows = _attended(lse)
     assert_close(np.where(rows[..., None], out, 0), np.where(rows[..., None], ref, 0))
     assert np.all(np.asarray(out)[~rows] == 0)
@@ -189,9 +203,11 @@ def test_small_and_ragged_lengths(seq_q, seq_k, window):
 # eqx_flash.dot_product_attention (their tolerances; jax.nn's reference implementation).
 # jax's tests run with standard dtype promotion, which jax.nn's bf16/f16 path needs.
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("groups", [1, 2, 4])
-@pytest.mark.parametrize("use_vmap", [False, True])
+# jax's grid is 2 dtypes x 3 group counts x vmap or not; here a covering set of it (each
+# pair of the three factors appears).
+@pytest.mark.parametrize(("dtype", "groups", "use_vmap"), [
+    (jnp.bfloat16, 1, False), (jnp.float16, 1, True), (jnp.bfloat16, 2, True),
+    (jnp.float16, 2, False), (jnp.bfloat16, 4, False), (jnp.float16, 4, True)])
 def test_jax_nn_test_grouped_query_attention(dtype, groups, use_vmap):
     batch, seq, heads, dim = 2, 128, 4, 32
     keys = jax.random.split(jax.random.key(0), 4)
@@ -202,21 +218,30 @@ def test_jax_nn_test_grouped_query_attention(dtype, groups, use_vmap):
     ours = eqx_flash.dot_product_attention
     if use_vmap:
         ours = jax.vmap(ours)
+
+    # jax.nn op by op: on CPU its float16 matmul does not compile inside a jit.
     with jax.numpy_dtype_promotion("standard"):
         k_rep, v_rep = (jnp.repeat(x, groups, axis=2) for x in (k, v))
         ref, ref_vjp = jax.vjp(jax.nn.dot_product_attention, q, k_rep, v_rep)
         d_ref = ref_vjp(cotangent)
-    out, vjp = jax.vjp(ours, q, k, v)
-    dq, dk, dv = vjp(cotangent)
-    d_ref_k, d_ref_v = (g.reshape(batch, seq, heads // groups, groups, dim).sum(axis=3)
-                        for g in d_ref[1:])
+
+    @jax.jit  # one program (each case has shapes or dtypes of its own)
+    def value_and_vjp(q, k, v, cotangent):
+        out, vjp = jax.vjp(ours, q, k, v)
+        return out, *vjp(cotangent)
+
+    out, dq, dk, dv = value_and_vjp(q, k, v, cotangent)
+    d_ref_k, d_ref_v = (np.asarray(g, np.float32).reshape(batch, seq, heads // groups, groups,
+                                                          dim).sum(axis=3) for g in d_ref[1:])
     for got, expected in ((out, ref), (dq, d_ref[0]), (dk, d_ref_k), (dv, d_ref_v)):
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(expected, np.float32),
                                    atol=0.01, rtol=0.01)
 
 
-@pytest.mark.parametrize("mask_mode", [("bias",), ("causal",), ("padding",), ("custom",),
-                                       ("causal", "padding"), ("custom", "padding"),
+# jax's modes less three that a pair below contains: ("causal",) (in three), ("custom",)
+# (in ("custom", "padding")) and ("bias",) (in ("bias", "causal"); without causal in
+# `test_jax_nn_test_bias_gradient`).
+@pytest.mark.parametrize("mask_mode", [("padding",), ("causal", "padding"), ("custom", "padding"),
                                        ("bias", "causal"), ("causal", "sliding_window")])
 def test_jax_nn_test_masks(mask_mode):
     dtype, batch, seq, heads, dim = jnp.bfloat16, 2, 128, 4, 32
@@ -232,14 +257,15 @@ def test_jax_nn_test_masks(mask_mode):
         kw.update(query_seq_lengths=jnp.array([seq // 2, seq // 4], jnp.int32),
                   key_value_seq_lengths=jnp.array([seq // 4, seq // 2], jnp.int32))
 
-    def run(fn):
-        return jax.vjp(lambda q, k, v, b: fn(q, k, v, b, mask, **kw), q, k, v, bias)
+    def run(fn, q, k, v, bias, cotangent):
+        """`fn`'s values and vjp, compiled as one program."""
+        out, vjp = jax.vjp(lambda q, k, v, b: fn(q, k, v, b, mask, **kw), q, k, v, bias)
+        return out, vjp(cotangent)
 
-    out, vjp = run(eqx_flash.dot_product_attention)
+    args = (q, k, v, bias, cotangent)
+    out, got = jax.jit(functools.partial(run, eqx_flash.dot_product_attention))(*args)
     with jax.numpy_dtype_promotion("standard"):
-        ref, ref_vjp = run(jax.nn.dot_product_attention)
-        expected = ref_vjp(cotangent)
-    got = vjp(cotangent)
+        ref, expected = jax.jit(functools.partial(run, jax.nn.dot_product_attention))(*args)
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
                                atol=0.01, rtol=0.01)
     for name, g, r in zip(("dq", "dk", "dv", "dbias"), got, expected, strict=True):
@@ -249,8 +275,8 @@ def test_jax_nn_test_masks(mask_mode):
                                    atol=0.02, rtol=0.02, err_msg=name)
 
 
-@pytest.mark.parametrize("batch", [1, 16])
-@pytest.mark.parametrize("use_vmap", [False, True])
+# jax's grid is batch 1 or 16 x vmap or not; each value once here.
+@pytest.mark.parametrize(("batch", "use_vmap"), [(1, False), (16, True)])
 def test_jax_nn_test_bias_gradient(batch, use_vmap):
     dtype, seq, heads, dim = jnp.bfloat16, 128, 4, 32
     keys = jax.random.split(jax.random.key(0), 2)
@@ -261,16 +287,18 @@ def test_jax_nn_test_bias_gradient(batch, use_vmap):
     def attention(fn, x, bias, mask):
         return fn(x, x, x, bias, mask, is_causal=False)
 
-    def gradients(fn):
+    def gradients(fn, x, bias, mask):
         one = functools.partial(attention, fn)
         if use_vmap:
             one = jax.vmap(one, in_axes=(0, 0, None))
         value, vjp = jax.vjp(lambda x, b: one(x, b, mask), x, bias)
         return value, vjp(x)
 
-    out, (dx, dbias) = gradients(eqx_flash.dot_product_attention)
-    with jax.numpy_dtype_promotion("standard"):
-        ref, (ref_dx, ref_dbias) = gradients(jax.nn.dot_product_attention)
+    out, (dx, dbias) = jax.jit(functools.partial(gradients, eqx_flash.dot_product_attention))(
+        x, bias, mask)
+    with jax.numpy_dtype_promotion("standard"):  # (here, around the compiled call)
+        ref, (ref_dx, ref_dbias) = jax.jit(
+            functools.partial(gradients, jax.nn.dot_product_attention))(x, bias, mask)
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
                                atol=0.01, rtol=0.01)
     np.testing.assert_allclose(np.asarray(dbias, np.float32), np.asarray(ref_dbias, np.float32),

@@ -61,6 +61,29 @@ def _one_sequence(q, k, v, option, slopes):
     return jnp.swapaxes(out, 0, 1), lse
 
 
+def _value_and_grads(fn, weights, *args):
+    """`(fn(*args), grads)`: the gradients of `sum(fn(*args)[0] * weights)` along every
+    argument (trace it under `jax.jit`: `_compiled_value_and_grads`)."""
+
+    def loss(*args):
+        result = fn(*args)
+        return jnp.sum(result[0] * weights), result
+
+    grads, result = jax.grad(loss, argnums=tuple(range(len(args))), has_aux=True)(*args)
+    return result, grads
+
+
+def _compiled_value_and_grads(fn, weights, *args):
+    """`_value_and_grads`, compiled as one program (forward and backward)."""
+    return jax.jit(functools.partial(_value_and_grads, fn))(weights, *args)
+
+
+# Where each packed sequence starts in q and in k, its query and key lengths.
+STARTS = [(int(a), nq, int(c), nk) for (nq, nk), a, c in zip(
+    SEQUENCES, np.cumsum([0] + [n for n, _ in SEQUENCES]),
+    np.cumsum([0] + [n for _, n in SEQUENCES]), strict=False)]
+
+
 @pytest.mark.parametrize("option", list(OPTIONS))
 def test_each_packed_sequence_is_attention_on_it_alone(option):
     q, k, v, cu_q, cu_k, slopes = _packed()
@@ -68,24 +91,24 @@ def test_each_packed_sequence_is_attention_on_it_alone(option):
     fn = functools.partial(eqx_flash.flash_attn_varlen_func, cu_seqlens_q=cu_q,
                            cu_seqlens_k=cu_k, max_seqlen_q=20, max_seqlen_k=20,
                            return_attn_probs=True, **kw)
-    out, lse, probs = jax.jit(fn)(q, k, v)
-    assert probs is None and out.shape == q.shape and lse.shape == (HEADS, q.shape[0])
     weights = jax.random.normal(jax.random.key(5), q.shape)
-    # (Everything compiled whole: faster than op by op, the same numbers.)
-    grads = jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v)[0] * weights),
-                             argnums=(0, 1, 2)))(q, k, v)
-    for b, ((nq, nk), (a, c)) in enumerate(zip(SEQUENCES, zip(cu_q[:-1], cu_k[:-1], strict=True),
-                                               strict=True)):
-        a, c = int(a), int(c)
-        part = (q[a:a + nq], k[c:c + nk], v[c:c + nk])
-        ref_out, ref_lse = jax.jit(lambda q, k, v: _one_sequence(q, k, v, option, slopes))(*part)
+    # (Everything compiled whole, one program each side: faster than op by op, the same
+    # numbers.)
+    (out, lse, probs), grads = _compiled_value_and_grads(fn, weights, q, k, v)
+    assert probs is None and out.shape == q.shape and lse.shape == (HEADS, q.shape[0])
+
+    def each_alone(q, k, v):
+        """Every sequence's `((out, lse), grads)` on its own."""
+        return [_value_and_grads(lambda *x: _one_sequence(*x, option, slopes),
+                                 weights[a:a + nq], q[a:a + nq], k[c:c + nk], v[c:c + nk])
+                for a, nq, c, nk in STARTS]
+
+    out, lse = np.asarray(out), np.asarray(lse)
+    grads = [np.asarray(g) for g in grads]
+    for b, ((ref_out, ref_lse), ref_grads) in enumerate(jax.jit(each_alone)(q, k, v)):
+        a, nq, c, nk = STARTS[b]
         assert_close(out[a:a + nq], ref_out, name=f"out of sequence {b}")
         assert_lse_close(lse[:, a:a + nq], ref_lse)
-
-        def alone(q, k, v, w=weights[a:a + nq]):
-            return jnp.sum(_one_sequence(q, k, v, option, slopes)[0] * w)
-
-        ref_grads = jax.jit(jax.grad(alone, argnums=(0, 1, 2)))(*part)
         for name, g, r in zip(("dq", "dk", "dv"), (grads[0][a:a + nq], grads[1][c:c + nk],
                                                    grads[2][c:c + nk]), ref_grads,
                               strict=True):
@@ -103,16 +126,18 @@ def test_alibi_slopes_per_sequence_and_their_gradient():
 
     def separately(slopes):
         total = 0.0
-        for b, (nq, nk) in enumerate(SEQUENCES):
-            a, c = int(cu_q[b]), int(cu_k[b])
+        for b, (a, nq, c, nk) in enumerate(STARTS):
             out, _ = eqx_flash.plain_attention(
                 *(jnp.swapaxes(x, 0, 1) for x in (q[a:a + nq], k[c:c + nk], v[c:c + nk])),
                 causal=True, alibi_slopes=slopes[b])
             total = total + jnp.sum(out ** 2)
         return total
 
-    assert_close(packed(slopes), separately(slopes))
-    assert_close(jax.grad(packed)(slopes), jax.grad(separately)(slopes), kind="grad")
+    # Each side compiled whole (values and gradient in one program).
+    got, grad = jax.jit(jax.value_and_grad(packed))(slopes)
+    expected, expected_grad = jax.jit(jax.value_and_grad(separately))(slopes)
+    assert_close(got, expected)
+    assert_close(grad, expected_grad, kind="grad")
 
 
 def test_flash_attn_func_is_flash_attention_in_fa2_layout():
@@ -199,10 +224,10 @@ def _fa2_formula(xp, q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, slo
         allowed &= j >= i - left
     if right >= 0:
         allowed &= j <= i + right
-    s = xp.where(allowed, s, -np.inf)
-    top = xp.max(s, axis=-1, keepdims=True)
+    top = xp.max(xp.where(allowed, s, -np.inf), axis=-1, keepdims=True)
     top = xp.where(allowed.any(-1, keepdims=True), top, 0.0)
-    e = xp.exp(s - top)
+    # (No exp of -inf, whose derivative XLA:CPU compiles to NaN without its optimisations.)
+    e = xp.where(allowed, xp.exp(xp.where(allowed, s, 0.0) - top), 0.0)
     total = xp.sum(e, axis=-1, keepdims=True)
     out = xp.einsum("bhqk,bkhd->bqhd", e / xp.where(total > 0, total, 1.0), v)
     with np.errstate(divide="ignore"):  # a row with no key: out 0, lse -inf
@@ -249,7 +274,7 @@ def _expected_and_grads(qkv, slopes, options, weights):
             o, _ = _fa2_formula(jnp, q, k, v, slopes=s, **options)
             return jnp.sum(o * jnp.asarray(np.asarray(weights), jnp.float64))
 
-        grads = jax.grad(loss, argnums=(0, 1, 2, 3) if slopes is not None else (0, 1, 2))(
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3) if slopes is not None else (0, 1, 2)))(
             *wide, wide_slopes)
         return out, lse, [np.asarray(g) for g in grads]
 
@@ -264,25 +289,26 @@ def test_flash_attn_func_is_fa2s_formula(case, per_batch):
     qkv, slopes, options = _fa2_inputs(case, per_batch)
     weights = jax.random.normal(jax.random.key(11), qkv[0].shape)
     kw = _fa2_kw(options, slopes)
-    out, lse, _ = eqx_flash.flash_attn_func(*qkv, return_attn_probs=True, **kw)
+    args = (*qkv, *(() if slopes is None else (slopes,)))
+
+    def call(q, k, v, *s):
+        extra = {} if not s else {"alibi_slopes": s[0]}
+        return eqx_flash.flash_attn_func(q, k, v, return_attn_probs=True, **(kw | extra))
+
+    (out, lse, _), grads = _compiled_value_and_grads(call, weights, *args)
     expected_out, expected_lse, expected_grads = _expected_and_grads(qkv, slopes, options,
                                                                      weights)
     assert_close(out, expected_out)
     assert_lse_close(lse, expected_lse)
-    args = (*qkv, *(() if slopes is None else (slopes,)))
-
-    def loss(q, k, v, *s):
-        extra = {} if not s else {"alibi_slopes": s[0]}
-        return jnp.sum(eqx_flash.flash_attn_func(q, k, v, **(kw | extra)) * weights)
-
-    grads = jax.grad(loss, argnums=tuple(range(len(args))))(*args)
     names = ("dq", "dk", "dv", "dslopes")[:len(args)]
     for name, g, e in zip(names, grads, expected_grads, strict=True):
         assert_close(g, e, kind="grad", name=name)
 
 
-@pytest.mark.parametrize("per_sequence", [False, True])
-@pytest.mark.parametrize("case", ["softcap_alibi_causal", "softcap_alibi_window"])
+# With a soft cap, slopes per head are broadcast to slopes per sequence and both take one
+# path (`_CapThenAlibi`): each case once, and each slopes' shape once.
+@pytest.mark.parametrize(("case", "per_sequence"), [("softcap_alibi_causal", True),
+                                                    ("softcap_alibi_window", False)])
 def test_flash_attn_varlen_func_is_fa2s_formula_per_sequence(case, per_sequence):
     """`flash_attn_varlen_func` with a soft cap and ALiBi (per head and per sequence)
     against FA2's formula on each sequence alone, float64 (#41): values, lse and the
@@ -302,8 +328,7 @@ def test_flash_attn_varlen_func_is_fa2s_formula_per_sequence(case, per_sequence)
     def formula(xp, q, k, v, slopes):
         """Each sequence alone through `_fa2_formula`, packed back."""
         outs, lses = [], []
-        for b, (nq, nk) in enumerate(SEQUENCES):
-            a, c = int(cu_q[b]), int(cu_k[b])
+        for b, (a, nq, c, nk) in enumerate(STARTS):
             own = slopes[b] if per_sequence else slopes
             o, lse = _fa2_formula(xp, q[None, a:a + nq], k[None, c:c + nk], v[None, c:c + nk],
                                   slopes=own, **options)
@@ -311,14 +336,12 @@ def test_flash_attn_varlen_func_is_fa2s_formula_per_sequence(case, per_sequence)
             lses.append(lse[0])
         return xp.concatenate(outs), xp.concatenate(lses, axis=-1)
 
-    out, lse, _ = packed(q, k, v, slopes)
-    grads = jax.grad(lambda *a: jnp.sum(packed(*a)[0] * weights), argnums=(0, 1, 2, 3))(
-        q, k, v, slopes)
+    (out, lse, _), grads = _compiled_value_and_grads(packed, weights, q, k, v, slopes)
     with enable_x64():
         wide = [jnp.asarray(np.asarray(x), jnp.float64) for x in (q, k, v, slopes, weights)]
         expected_out, expected_lse = formula(np, *(np.asarray(x) for x in wide[:4]))
-        expected_grads = jax.grad(
-            lambda *a: jnp.sum(formula(jnp, *a)[0] * wide[4]), argnums=(0, 1, 2, 3))(*wide[:4])
+        expected_grads = jax.jit(jax.grad(  # compiled whole: six sequences' shapes
+            lambda *a: jnp.sum(formula(jnp, *a)[0] * wide[4]), argnums=(0, 1, 2, 3)))(*wide[:4])
         expected_grads = [np.asarray(g) for g in expected_grads]
     assert_close(out, expected_out)
     assert_lse_close(lse, expected_lse)
@@ -328,30 +351,33 @@ def test_flash_attn_varlen_func_is_fa2s_formula_per_sequence(case, per_sequence)
 
 def test_traced_cumulative_lengths_under_jit():
     """`cu_seqlens` traced under `jax.jit` (#41: a TracerBoolConversionError), with a
-    soft cap and per-head ALiBi: equal to the eager call, gradients too; a buffer padded
-    past the last sequence (`cu[-1] < total`, unchecked when traced) leaves the padding
-    rows at out 0 and lse -inf and changes no real row."""
+    soft cap and per-head ALiBi: equal to the eager call, and its gradients to those with
+    the lengths concrete; a buffer padded past the last sequence (`cu[-1] < total`,
+    unchecked when traced) leaves the padding rows at out 0 and lse -inf and changes no
+    real row."""
     q, k, v, cu_q, cu_k, slopes = _packed(5)
     kw = dict(causal=True, softcap=3.0, alibi_slopes=slopes, return_attn_probs=True)
 
     def call(q, k, v, cu_q, cu_k):
         return eqx_flash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 20, 20, **kw)
 
+    def loss(q, k, v, cu_q, cu_k):
+        result = call(q, k, v, cu_q, cu_k)
+        return jnp.sum(result[0] ** 2), result
+
+    grad = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)
     eager = call(q, k, v, cu_q, cu_k)
-    jitted = jax.jit(call)(q, k, v, cu_q, cu_k)
+    grads, jitted = jax.jit(grad)(q, k, v, cu_q, cu_k)  # the lengths traced
     assert_close(jitted[0], eager[0])
     assert_lse_close(jitted[1], eager[1])
-
-    def loss(fn):
-        return jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v, cu_q, cu_k)[0] ** 2),
-                        argnums=(0, 1, 2))(q, k, v)
-
-    for g, e in zip(loss(jax.jit(call)), loss(call), strict=True):
+    concrete, _ = jax.jit(lambda q, k, v: grad(q, k, v, cu_q, cu_k))(q, k, v)
+    for g, e in zip(grads, concrete, strict=True):
         assert_close(g, e, kind="grad")
     pad = 5
-    padded = [jnp.concatenate([x, jnp.full((pad, *x.shape[1:]), jnp.nan)]) for x in (q, k, v)]
-    out, lse, _ = jax.jit(call)(*padded, cu_q, cu_k)
+    padded = [jnp.asarray(np.concatenate([x, np.full((pad, *x.shape[1:]), np.nan, x.dtype)]))
+              for x in (q, k, v)]
+    out, lse = (np.asarray(x) for x in jax.jit(call)(*padded, cu_q, cu_k)[:2])
     assert_close(out[:-pad], eager[0])
     assert_lse_close(lse[:, :-pad], eager[1])
-    np.testing.assert_array_equal(np.asarray(out[-pad:]), 0.0)
-    assert np.all(np.isneginf(np.asarray(lse[:, -pad:])))
+    np.testing.assert_array_equal(out[-pad:], 0.0)
+    assert np.all(np.isneginf(lse[:, -pad:]))

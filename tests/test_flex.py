@@ -4,6 +4,7 @@ reference; causal and softcap written as modifications equal the built-in option
 causal one computing exactly the same blocks); clear errors naming the argument."""
 
 import dataclasses
+import functools
 
 import equinox as eqx
 import jax
@@ -64,7 +65,7 @@ def _assert_all_close(got, expected, atol=2e-5, rtol=2e-5):
     for name, g, e in zip(("dq", "dk", "dv", "dparams"), grads, ref_grads, strict=False):
         assert g.shape == e.shape and g.dtype == e.dtype, name
         assert np.all(np.isfinite(g)), name
-        scale = max(float(jnp.max(jnp.abs(e))), 1.0)
+        scale = max(float(np.max(np.abs(e))), 1.0)
         np.testing.assert_allclose(g, e, atol=1e-4 * scale, rtol=1e-4, err_msg=name)
 
 
@@ -95,9 +96,12 @@ SCORE_MODS = {
 }
 
 
-@pytest.mark.parametrize("name", list(SCORE_MODS))
-@pytest.mark.parametrize("causal", [False, True])
+# Each modification once, each way round (the other pairs: `relative_table` causal in
+# `test_with_lengths_and_block_mask`, `head_scaling` not in
+# `test_checker_compares_score_mod_gradients`).
+@pytest.mark.parametrize("name, causal", [("relative_table", False), ("head_scaling", True)])
 def test_score_mod_matches_reference(name, causal):
+    """Values, lse and the gradients of q, k, v and the closed-over array (GQA)."""
     q, k, v = _qkv()
     make, init = SCORE_MODS[name]
     params = init()
@@ -152,8 +156,13 @@ MASK_MODS = {
 }
 
 
-@pytest.mark.parametrize("name", list(MASK_MODS))
-@pytest.mark.parametrize("with_block_mask", [False, True])
+# Each mask_mod once, with a block_mask where no other test gives it one; without one
+# (the call summarises the mask_mod itself), `prefix_lm` runs in
+# `test_score_and_mask_mod_with_everything`, `document` in
+# `test_against_hand_written_reference`, and a mask_mod reading the head (as `dilated`
+# does) in `test_derived_summary_follows_batch_and_heads`.
+@pytest.mark.parametrize("name, with_block_mask", [
+    ("prefix_lm", True), ("document", True), ("dilated", True), ("random_blocks", False)])
 def test_mask_mod_matches_reference(name, with_block_mask):
     """GQA, a key mask and a window too; gradients of q, k, v and of a bias."""
     q, k, v = _qkv()
@@ -229,10 +238,14 @@ class _BlockCounter:
         return counted
 
     def run(self, fn):
+        return self.run_with_result(fn)[0]
+
+    def run_with_result(self, fn):
+        """`(counts, fn())`."""
         self.counts.update(forward=0, backward=0)
-        jax.block_until_ready(fn())
+        result = jax.block_until_ready(fn())
         jax.effects_barrier()
-        return dict(self.counts)
+        return dict(self.counts), result
 
 
 @pytest.mark.parametrize("seq_q, seq_k", [(64, 64), (SQ, SK)])
@@ -247,20 +260,18 @@ def test_causal_as_mask_mod(monkeypatch, seq_q, seq_k):
         "mask_mod": dict(mask_mod=causal),
         "block_mask": dict(mask_mod=causal, block_mask=block_mask),
     }
-    results = {name: _values_and_grads(_flash, q, k, v, None, lambda _, kw=kw: kw)
-               for name, kw in variants.items()}
+    # One program per variant gives both its values and gradients and its block counts.
+    counter = _BlockCounter(monkeypatch)
+    counts, results = {}, {}
+    for name, kw in variants.items():
+        counts[name], results[name] = counter.run_with_result(
+            lambda kw=kw: _values_and_grads(_flash, q, k, v, None, lambda _: kw))
     for name in ("mask_mod", "block_mask"):
         _assert_all_close(results[name], results["causal"], atol=1e-6, rtol=1e-6)
-
-    counter = _BlockCounter(monkeypatch)
-    counts = {}
-    for name, kw in variants.items():
-        def run(kw=kw):
-            return jax.grad(lambda q: seeded_linear_loss(_flash, q, k, v, **kw)[0])(q)
-        counts[name] = counter.run(run)
     per_head = B * KH
     num_q, num_k = -(-seq_q // 16), -(-seq_k // 24)
     assert 0 < counts["causal"]["forward"] < per_head * num_q * num_k
+    assert counts["causal"]["backward"] > 0
     assert counts["mask_mod"] == counts["causal"], counts
     assert counts["block_mask"] == counts["causal"], counts
 
@@ -277,12 +288,12 @@ def test_block_mask_skips_empty_blocks(monkeypatch):
     assert float(block_mask.sparsity) == pytest.approx(1 - keep.mean())
 
     counter = _BlockCounter(monkeypatch)
-    counts = counter.run(lambda: _flash(q, k, v, mask_mod=mask_mod, block_mask=block_mask))
+    counts, (out, _) = counter.run_with_result(
+        lambda: _flash(q, k, v, mask_mod=mask_mod, block_mask=block_mask))
     assert counts["forward"] == B * H * keep.sum()
     # Without a block_mask the call summarises the mask_mod itself: the same blocks.
     assert counter.run(lambda: _flash(q, k, v, mask_mod=mask_mod)) == counts
-    out, _ = _flash(q, k, v, mask_mod=mask_mod, block_mask=block_mask)
-    ref, _ = plain_attention(q, k, v, mask_mod=mask_mod)
+    ref, _ = jax.jit(functools.partial(plain_attention, mask_mod=mask_mod))(q, k, v)
     assert_close(out, ref)
 
 
@@ -293,14 +304,14 @@ def test_derived_summary_follows_batch_and_heads(monkeypatch):
     q, k, v = _qkv(kv_heads=H)
     mask_mod = lambda b, h, i, j: (j <= i + h * 20 - 30) & (b == 0) | (j < 4)  # noqa: E731
     block_mask = make_block_mask(mask_mod, (B,), H, SQ, SK, **BLOCKS)
-    out, lse = _flash(q, k, v, mask_mod=mask_mod)
-    ref, ref_lse = plain_attention(q, k, v, mask_mod=mask_mod)
-    assert_close(out, ref)
-    assert_close(lse, ref_lse)
     counter = _BlockCounter(monkeypatch)
     given = counter.run(lambda: _flash(q, k, v, mask_mod=mask_mod, block_mask=block_mask))
     assert 0 < given["forward"] < B * H * 9
-    assert counter.run(lambda: _flash(q, k, v, mask_mod=mask_mod)) == given
+    derived, (out, lse) = counter.run_with_result(lambda: _flash(q, k, v, mask_mod=mask_mod))
+    assert derived == given
+    ref, ref_lse = jax.jit(functools.partial(plain_attention, mask_mod=mask_mod))(q, k, v)
+    assert_close(out, ref)
+    assert_close(lse, ref_lse)
 
 
 def test_make_block_mask_partial_and_heads():
@@ -343,14 +354,13 @@ def test_emptied_rows(how):
     else:
         kwargs = dict(score_mod=lambda s, b, h, i, j: jnp.where((i == 3) & (h != 1), -jnp.inf, s))
     for fn in (_flash, plain_attention):
-        out, lse = fn(q, k, v, **kwargs)
-        rows = np.asarray(out)[:, [0, 2, 3], 3]
-        assert np.all(rows == 0) and np.all(np.isneginf(np.asarray(lse)[:, [0, 2, 3], 3]))
-        assert np.all(np.isfinite(np.asarray(lse)[:, 1]))
-        grads = jax.grad(lambda q, k, v, fn=fn: seeded_linear_loss(fn, q, k, v, **kwargs)[0],
-                         argnums=(0, 1, 2))(q, k, v)
-        assert all(bool(jnp.all(jnp.isfinite(g))) for g in grads)
-        assert np.all(np.asarray(grads[0])[:, [0, 2, 3], 3] == 0)
+        (out, lse), grads = values_and_grads(fn, q, k, v, **kwargs)
+        out, lse, grads = np.asarray(out), np.asarray(lse), [np.asarray(g) for g in grads]
+        assert np.all(out[:, [0, 2, 3], 3] == 0)
+        assert np.all(np.isneginf(lse[:, [0, 2, 3], 3]))
+        assert np.all(np.isfinite(lse[:, 1]))
+        assert all(np.all(np.isfinite(g)) for g in grads)
+        assert np.all(grads[0][:, [0, 2, 3], 3] == 0)
 
 
 # --- PyTrees, transformations -------------------------------------------------------------
@@ -367,8 +377,8 @@ def test_module_score_mod_gradients():
 
     got = eqx.filter_jit(eqx.filter_grad(lambda m: loss(_flash, m)))(rpb)
     eager = eqx.filter_grad(lambda m: loss(_flash, m))(rpb)
-    expected = eqx.filter_grad(lambda m: loss(plain_attention, m))(rpb)
-    scale = float(jnp.abs(expected.table).max())
+    expected = eqx.filter_jit(eqx.filter_grad(lambda m: loss(plain_attention, m)))(rpb)
+    scale = float(np.abs(expected.table).max())
     assert scale > 0
     np.testing.assert_allclose(got.table, expected.table, atol=1e-4 * scale)
     np.testing.assert_allclose(eager.table, expected.table, atol=1e-4 * scale)
@@ -414,9 +424,9 @@ def test_closures_over_shard_map_values_with_check_vma():
                            out_specs=(PartitionSpec("data"),) * 2)
 
     def loss(fn):
-        return jax.value_and_grad(
+        return jax.jit(jax.value_and_grad(
             lambda *a: seeded_linear_loss(lambda *b: fn(*b, shift), *a)[0],
-            argnums=(0, 1, 2, 3))(q, k, v, table)
+            argnums=(0, 1, 2, 3)))(q, k, v, table)
 
     expected, got = loss(attention), loss(mapped)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
@@ -424,14 +434,21 @@ def test_closures_over_shard_map_values_with_check_vma():
 
 
 def test_causal_flash_attention_and_bare_inputs():
+    """`causal_flash_attention` takes a score_mod; `(seq, dim)` inputs take a mask_mod."""
     q, k, v = _qkv()
     mod = relative_table(0.5 * seeded_normal(5, (H, SQ + SK + 1)))
+    bare = [jnp.asarray(np.asarray(x)[0, 0]) for x in (q, k, v)]
+
+    def references(q, k, v, bare):
+        return (plain_attention(q, k, v, score_mod=mod, causal=True)[0],
+                plain_attention(*bare, mask_mod=prefix_lm(5)))
+
+    ref, (bare_ref, bare_ref_lse) = jax.jit(references)(q, k, v, bare)
     out, _ = causal_flash_attention(q, k, v, score_mod=mod, **BLOCKS)
-    ref, _ = plain_attention(q, k, v, score_mod=mod, causal=True)
     assert_close(out, ref)
-    out, lse = _flash(q[0, 0], k[0, 0], v[0, 0], mask_mod=prefix_lm(5))
-    ref, ref_lse = plain_attention(q[0, 0], k[0, 0], v[0, 0], mask_mod=prefix_lm(5))
-    assert_close(out, ref)
+    out, lse = _flash(*bare, mask_mod=prefix_lm(5))
+    assert_close(out, bare_ref)
+    assert_close(lse, bare_ref_lse)
 
 
 # --- ready-made modifications ---------------------------------------------------------------
@@ -452,9 +469,10 @@ def test_alibi_module_equals_alibi_slopes():
 def test_relative_position_bucket():
     """T5's buckets: exact up to half the range, logarithmic to max_distance, capped."""
     rel = jnp.asarray([0, 1, 2, 7, 8, 20, 127, 128, 1000, -1, -7, -8, -1000])
-    got = relative_position_bucket(rel, True, 32, 128)
+    bucket = jax.jit(relative_position_bucket, static_argnums=(1, 2, 3))  # not op by op
+    got = bucket(rel, True, 32, 128)
     np.testing.assert_array_equal(got, [0, 17, 18, 23, 24, 26, 31, 31, 31, 1, 7, 8, 15])
-    one_way = relative_position_bucket(rel, False, 32, 128)
+    one_way = bucket(rel, False, 32, 128)
     np.testing.assert_array_equal(one_way[:9], 0)  # keys after the query
     np.testing.assert_array_equal(one_way[9:], [1, 7, 8, 31])
 
@@ -551,14 +569,14 @@ def test_modules_take_modifications_as_fields_and_per_call():
         return jnp.sum(jax.vmap(one)(x) ** 2)
 
     got = eqx.filter_jit(eqx.filter_grad(loss))(mha)
-    expected = eqx.filter_grad(reference_loss)(mha)
+    expected = eqx.filter_jit(eqx.filter_grad(reference_loss))(mha)
     assert isinstance(got.score_mod, RelativePositionBias)
-    scale = float(jnp.abs(expected.score_mod.table).max())
+    scale = float(np.abs(expected.score_mod.table).max())
     assert scale > 0
     np.testing.assert_allclose(got.score_mod.table, expected.score_mod.table,
                                atol=1e-4 * scale)
     np.testing.assert_allclose(got.query_proj.weight, expected.query_proj.weight,
-                               atol=1e-4 * float(jnp.abs(expected.query_proj.weight).max()))
+                               atol=1e-4 * float(np.abs(expected.query_proj.weight).max()))
 
     converted = eqx_flash.FlashMultiheadAttention.from_eqx(
         eqx.nn.MultiheadAttention(heads, 16, key=jax.random.key(0)), score_mod=rpb)
@@ -567,14 +585,14 @@ def test_modules_take_modifications_as_fields_and_per_call():
     q = jax.random.normal(jax.random.key(3), (heads, seq, 8))
     attn = eqx_flash.FlashAttention(block_q=8, block_k=8, mask_mod=causal)
     block_mask = make_block_mask(causal, (), 1, seq, seq, 8, 8)
-    expected_out, _ = plain_attention(q, q, q, causal=True)
+    expected_out, _ = jax.jit(functools.partial(plain_attention, causal=True))(q, q, q)
     np.testing.assert_allclose(attn(q, q, q), expected_out, atol=2e-6)
     np.testing.assert_allclose(attn(q, q, q, block_mask=block_mask), expected_out, atol=2e-6)
     anti = eqx_flash.FlashAttention(block_q=8, block_k=8)(
         q, q, q, mask_mod=lambda b, h, i, j: j >= i, score_mod=ALiBi(heads))
-    np.testing.assert_allclose(
-        anti, plain_attention(q, q, q, window=(0, None), alibi_slopes=ALiBi(heads).slopes)[0],
-        atol=2e-6)
+    anti_expected, _ = jax.jit(functools.partial(
+        plain_attention, window=(0, None), alibi_slopes=ALiBi(heads).slopes))(q, q, q)
+    np.testing.assert_allclose(anti, anti_expected, atol=2e-6)
 
 
 def test_gradient_of_vmapped_bias_and_score_mod():
@@ -589,16 +607,17 @@ def test_gradient_of_vmapped_bias_and_score_mod():
                                              score_mod=relative_table(table))[0])(q, k, v, bias)
         return jnp.sum(out ** 2)
 
-    got = jax.grad(lambda *a: loss(_flash, *a), argnums=(0, 1, 2))(q, bias, table)
-    expected = jax.grad(lambda *a: loss(plain_attention, *a), argnums=(0, 1, 2))(q, bias, table)
+    got = jax.jit(jax.grad(lambda *a: loss(_flash, *a), argnums=(0, 1, 2)))(q, bias, table)
+    expected = jax.jit(jax.grad(lambda *a: loss(plain_attention, *a), argnums=(0, 1, 2)))(
+        q, bias, table)
     for g, e in zip(got, expected, strict=True):
-        np.testing.assert_allclose(g, e, atol=1e-4 * max(float(jnp.abs(e).max()), 1.0))
+        np.testing.assert_allclose(g, e, atol=1e-4 * max(float(np.abs(e).max()), 1.0))
 
 
 # --- property test ------------------------------------------------------------------------------
 
 
-@examples(10)
+@examples(8)  # the parametrized tests above cover each modification
 @given(inputs=attention_inputs(score_mod=True, mask_mod=None, dtypes=(jnp.float32,),
                                max_seq=64))
 def test_property_score_and_mask_mods(inputs):
@@ -661,13 +680,17 @@ def test_block_mask_schedule_follows_the_band():
     flags = make_block_mask(causal, (), 1, SQ, SK, **BLOCKS).flags.reshape(1, 3, 3)
     cfg = KernelConfig(SQ, SK, BLOCKS["block_q"], BLOCKS["block_k"], Window(), scale=1.0)
     for by in ("q", "k"):
-        limits = run_limits(cfg, Operands(block_flags=flags), by)
         unmasked = band_ranges(cfg, by=by)  # no static band
         band = band_ranges(dataclasses.replace(cfg, window=Window(None, 0)), by=by)
+
+        @jax.jit  # one program for every outer block
+        def visits(outer, flags, unmasked=unmasked, by=by):
+            return over_band(unmasked, outer, lambda c, j, masked: c.at[j, int(masked)].add(1),
+                             jnp.zeros((3, 2), jnp.int32),
+                             run_limits(cfg, Operands(block_flags=flags), by))
+
         for outer in range(3):
-            seen = over_band(unmasked, jnp.int32(outer),
-                             lambda c, j, masked: c.at[j, int(masked)].add(1),
-                             jnp.zeros((3, 2), jnp.int32), limits)
+            seen = np.asarray(visits(jnp.int32(outer), flags))
             inner = np.arange(3)
             whole = (inner >= band.full_lo[outer]) & (inner < band.full_hi[outer])
             some = (inner >= band.lo[outer]) & (inner < band.hi[outer])
@@ -685,9 +708,10 @@ def test_frozen_score_mod_accumulates_no_cotangent():
     def loss(q, m, attention):
         return jnp.sum(attention(q, k, v, score_mod=m)[0] ** 2)
 
-    frozen = jax.grad(loss)(q, rpb, _flash)
-    assert_close(frozen, jax.grad(loss)(q, rpb, plain_attention))
-    only_q = jax.jit(jax.grad(loss), static_argnums=2).lower(q, rpb, _flash).as_text()
+    grad = jax.jit(jax.grad(loss), static_argnums=2)
+    frozen = grad(q, rpb, _flash)
+    assert_close(frozen, grad(q, rpb, plain_attention))
+    only_q = grad.lower(q, rpb, _flash).as_text()
     both = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2).lower(
         q, rpb, _flash).as_text()
     assert "scatter" in both
