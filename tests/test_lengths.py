@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, assert_lse_close, outputs_and_grads, qkv
+from helpers import assert_close, assert_lse_close, qkv, tolerance, values_and_grads
 
 import eqx_flash
 from eqx_flash import causal_flash_attention, flash_attention, plain_attention
@@ -22,18 +22,30 @@ def _qkv(seq_q, seq_k, seed=0, heads=H, kv_heads=KV):
 OPTIONS = [{}, {"causal": True}, {"window": (5, 3)}, {"causal": True, "window": 6}]
 
 
-@pytest.mark.parametrize("options", OPTIONS, ids=str)
-@pytest.mark.parametrize("seq_q,seq_k,blocks", [(40, 70, (16, 16)), (70, 40, (16, 32))])
+def _close(actual, expected, scale=1.0):
+    """`helpers.assert_close` (float32) in NumPy alone: `jnp.asarray` of each NumPy slice
+    would compile a program for its shape."""
+    np.testing.assert_allclose(np.asarray(actual, np.float32), np.asarray(expected, np.float32),
+                               **tolerance(jnp.float32, scale=scale))
+
+
+# Causal or not, a window or not, and more keys than queries or fewer: every pair of these
+# in four cases, not the grid of eight (each of the four options with more keys than
+# queries: `test_lengths_equal_unpadded_slices`; drawn shapes: `test_properties`).
+@pytest.mark.parametrize(("options", "seq_q", "seq_k", "blocks"), [
+    ({}, 40, 70, (16, 16)), ({"causal": True, "window": 6}, 40, 70, (16, 16)),
+    ({"causal": True}, 70, 40, (16, 32)), ({"window": (5, 3)}, 70, 40, (16, 32)),
+], ids=str)
 def test_lengths_against_reference(options, seq_q, seq_k, blocks):
     q, k, v = _qkv(seq_q, seq_k)
     lengths = {"q_lengths": jnp.array([seq_q, seq_q // 2 + 1, 0]),
                "kv_lengths": jnp.array([seq_k, seq_k // 3, 5])}
     kw = {**options, **lengths}
-    (out, lse), grads = outputs_and_grads(
-        flash_attention, q, k, v, jax.random.key(9), block_q=blocks[0], block_k=blocks[1], **kw
+    # (`values_and_grads`: fixed NumPy weights, no random-number program in each compile.)
+    (out, lse), grads = values_and_grads(
+        flash_attention, q, k, v, block_q=blocks[0], block_k=blocks[1], **kw
     )
-    (ref_out, ref_lse), ref_grads = outputs_and_grads(plain_attention, q, k, v,
-                                                      jax.random.key(9), **kw)
+    (ref_out, ref_lse), ref_grads = values_and_grads(plain_attention, q, k, v, **kw)
     assert_close(out, ref_out, name="out")
     assert_lse_close(lse, ref_lse)
     for g, r, name in zip(grads, ref_grads, "qkv", strict=True):
@@ -46,27 +58,40 @@ def test_lengths_equal_unpadded_slices(options):
     bottom-right on the valid lengths; padded query rows give 0, -inf and zero grads."""
     q, k, v = _qkv(24, 50)
     q_len, kv_len = [24, 9, 3], [50, 20, 17]
-    fn = jax.jit(lambda q, k, v: flash_attention(
-        q, k, v, q_lengths=jnp.array(q_len), kv_lengths=jnp.array(kv_len), block_q=8,
-        block_k=8, **options))
-    out, lse = fn(q, k, v)
-    dq, dk, dv = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a)[0] ** 2), argnums=(0, 1, 2)))(
-        q, k, v)
 
-    @jax.jit  # one compilation per slice instead of one per eager op
-    def reference(*sub):
-        refs = jax.grad(lambda *a: jnp.sum(plain_attention(*a, **options)[0] ** 2),
-                        argnums=(0, 1, 2))(*sub)
-        return plain_attention(*sub, **options), refs
+    @jax.jit  # the outputs and the gradients, one compiled program
+    def grads_and_outputs(q, k, v):
+        def loss(q, k, v):
+            out, lse = flash_attention(q, k, v, q_lengths=jnp.array(q_len),
+                                       kv_lengths=jnp.array(kv_len), block_q=8, block_k=8,
+                                       **options)
+            return jnp.sum(out**2), (out, lse)
 
+        return jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+
+    # Sliced in NumPy: an eager slice of each shape would compile a program.
+    (dq, dk, dv), (out, lse) = jax.tree.map(np.asarray, grads_and_outputs(q, k, v))
+    q, k, v = (np.asarray(x) for x in (q, k, v))
+
+    @jax.jit  # every slice in one compiled program, not one per eager op
+    def references(subs):
+        def reference(*sub):
+            refs = jax.grad(lambda *a: jnp.sum(plain_attention(*a, **options)[0] ** 2),
+                            argnums=(0, 1, 2))(*sub)
+            return plain_attention(*sub, **options), refs
+
+        return [reference(*sub) for sub in subs]
+
+    all_refs = references(jax.device_put(
+        [(q[b, :, :lq], k[b, :, :lk], v[b, :, :lk]) for b, lq, lk in zip(
+            range(B), q_len, kv_len, strict=True)]))
     for b in range(B):
         lq, lk = q_len[b], kv_len[b]
-        sub = (q[b, :, :lq], k[b, :, :lk], v[b, :, :lk])
-        (ref_out, ref_lse), refs = reference(*sub)
-        assert_close(out[b, :, :lq], ref_out)
+        (ref_out, ref_lse), refs = all_refs[b]
+        _close(out[b, :, :lq], ref_out)
         assert_lse_close(lse[b, :, :lq], ref_lse)
         for g, r in zip((dq[b, :, :lq], dk[b, :, :lk], dv[b, :, :lk]), refs, strict=True):
-            assert_close(g, r, scale=5)
+            _close(g, r, scale=5)
         assert np.all(np.asarray(out[b, :, lq:]) == 0)
         assert np.all(np.isneginf(np.asarray(lse[b, :, lq:])))
         assert np.all(np.asarray(dq[b, :, lq:]) == 0)
@@ -80,15 +105,23 @@ def test_nan_padding_reaches_nothing(fn, seq_q):
     """NaN/inf past the lengths, or in keys hidden by the key mask, change no output and
     no gradient (an uninitialised cache)."""
     q, k, v = _qkv(seq_q, 48, seed=3)
-    q_len = jnp.array([seq_q, max(seq_q // 2, 1), 1])
-    kv_len = jnp.array([48, 30, 7])
-    key_mask = jnp.ones((B, 48), bool).at[:, 2].set(False)
-    q_pos = jnp.arange(seq_q)[None, None, :, None]
-    k_pos = jnp.arange(48)[None, None, :, None]
+    # Inputs in NumPy, placed on the device: no eager op to compile.
+    q_len = np.array([seq_q, max(seq_q // 2, 1), 1], np.int32)
+    kv_len = np.array([48, 30, 7], np.int32)
+    key_mask = np.ones((B, 48), bool)
+    key_mask[:, 2] = False
+    q_pos = np.arange(seq_q)[None, None, :, None]
+    k_pos = np.arange(48)[None, None, :, None]
     q_pad = q_pos >= q_len[:, None, None, None]
     k_pad = (k_pos >= kv_len[:, None, None, None]) | (k_pos == 2)
-    poisoned = (jnp.where(q_pad, jnp.nan, q), jnp.where(k_pad, jnp.inf, k),
-                jnp.where(k_pad, jnp.nan, v))
+    q, k, v = (np.asarray(x) for x in (q, k, v))
+    poisoned = jax.device_put((np.where(q_pad, np.nan, q), np.where(k_pad, np.inf, k),
+                               np.where(k_pad, np.nan, v)))
+    tangents = tuple(np.ones(x.shape, np.float32) for x in (q, k, v))
+    dirty_tangents = jax.device_put(tuple(np.where(pad, np.nan, t) for pad, t in
+                                          zip((q_pad, k_pad, k_pad), tangents, strict=True)))
+    q, k, v, tangents, q_len, kv_len, key_mask = jax.device_put(
+        (q, k, v, tangents, q_len, kv_len, key_mask))
     kw = {"q_lengths": q_len, "kv_lengths": kv_len, "causal": True}
     if fn is flash_attention:
         kw.update(block_q=8, block_k=16)
@@ -97,17 +130,16 @@ def test_nan_padding_reaches_nothing(fn, seq_q):
         out, lse = fn(q, k, v, key_mask, **kw)
         return jnp.sum(out * out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
 
-    clean = jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
-    dirty = jax.value_and_grad(loss, argnums=(0, 1, 2))(*poisoned)
-    # Evaluated alone (no derivative: the decoding kernel reads the raw cache) and in
-    # forward mode (the tangents of the padding are poisoned too).
-    clean += (fn(q, k, v, key_mask, **kw)[0],)
-    dirty += (fn(*poisoned, key_mask, **kw)[0],)
-    tangents = (jnp.ones_like(q), jnp.ones_like(k), jnp.ones_like(v))
-    dirty_tangents = tuple(jnp.where(pad, jnp.nan, t) for pad, t in
-                           zip((q_pad, k_pad, k_pad), tangents, strict=True))
-    clean += jax.jvp(lambda *a: fn(*a, key_mask, **kw)[0], (q, k, v), tangents)
-    dirty += jax.jvp(lambda *a: fn(*a, key_mask, **kw)[0], poisoned, dirty_tangents)
+    @jax.jit  # compiled whole (faster than op by op); the poisoned inputs run it again
+    def evaluate(q, k, v, tangents):
+        # Evaluated alone (no derivative: the decoding kernel reads the raw cache) and in
+        # forward mode (the tangents of the padding are poisoned too).
+        return (jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v),
+                fn(q, k, v, key_mask, **kw)[0],
+                jax.jvp(lambda *a: fn(*a, key_mask, **kw)[0], (q, k, v), tangents))
+
+    clean = evaluate(q, k, v, tangents)
+    dirty = evaluate(*poisoned, dirty_tangents)
     for c, d in zip(jax.tree.leaves(clean), jax.tree.leaves(dirty), strict=True):
         assert np.all(np.isfinite(np.asarray(d)))
         np.testing.assert_allclose(np.asarray(d), np.asarray(c), rtol=1e-6, atol=1e-6)
@@ -116,18 +148,20 @@ def test_nan_padding_reaches_nothing(fn, seq_q):
 def test_lengths_broadcast_jit_vmap():
     q, k, v = _qkv(10, 30)
     kv_len = jnp.array([30, 12, 4])
-    ref = plain_attention(q, k, v, kv_lengths=kv_len, causal=True)[0]
+    # The references compiled whole: faster than op by op.
+    plain = eqx.filter_jit(plain_attention)
+    ref = plain(q, k, v, kv_lengths=kv_len, causal=True)[0]
     jitted = jax.jit(lambda q, k, v, n: causal_flash_attention(q, k, v, kv_lengths=n))
     assert_close(jitted(q, k, v, kv_len)[0], ref)
     mapped = jax.vmap(lambda q, k, v, n: causal_flash_attention(q, k, v, kv_lengths=n))
     assert_close(mapped(q, k, v, kv_len)[0], ref)
     # leading axes may be 1 or missing: one length for the whole batch
     one = flash_attention(q, k, v, kv_lengths=jnp.array(12))[0]
-    assert_close(one, plain_attention(q, k, v, kv_lengths=jnp.full((B,), 12))[0])
-    q4 = q.reshape(1, B, H, 10, D)
-    k4, v4 = k.reshape(1, B, KV, 30, D), v.reshape(1, B, KV, 30, D)
-    out4 = flash_attention(q4, k4, v4, kv_lengths=kv_len[None], causal=True)[0]
-    assert_close(out4.reshape(ref.shape), ref)
+    assert_close(one, plain(q, k, v, kv_lengths=jnp.full((B,), 12))[0])
+    q4, k4, v4 = jax.device_put([np.asarray(x)[None] for x in (q, k, v)])  # (no eager op)
+    out4 = flash_attention(q4, k4, v4, kv_lengths=jax.device_put(np.asarray(kv_len)[None]),
+                           causal=True)[0]
+    _close(np.asarray(out4).reshape(ref.shape), ref)
 
 
 @pytest.mark.parametrize("fn", [flash_attention, plain_attention])
@@ -156,8 +190,9 @@ def test_traced_out_of_range_lengths_are_clamped(fn):
     q, k, v = _qkv(10, 30)
     jitted = jax.jit(lambda ql, kl: fn(q, k, v, causal=True, q_lengths=ql, kv_lengths=kl))
     out, lse = jitted(jnp.array([12, -2, 4]), jnp.array([1, 40, -3]))
-    ref_out, ref_lse = fn(q, k, v, causal=True, q_lengths=jnp.array([10, 0, 4]),
-                          kv_lengths=jnp.array([1, 30, 0]))
+    # The same program on the clamped lengths (eagerly, in-range lengths: the rest of
+    # this file).
+    ref_out, ref_lse = jitted(jnp.array([10, 0, 4]), jnp.array([1, 30, 0]))
     np.testing.assert_array_equal(np.asarray(out), np.asarray(ref_out))
     np.testing.assert_array_equal(np.asarray(lse), np.asarray(ref_lse))
     assert eqx.is_array(jitted(jnp.array([10, 3, 4]), jnp.array([1, 30, 3]))[0])
@@ -208,12 +243,12 @@ def test_length_limits_follow_lengths():
 
 
 # Each option set with one query count, cycling through 1, 3 and 16 queries (compiling the
-# full cross product costs minutes for no extra path).
+# full cross product costs minutes for no extra path): every pair of a query count,
+# causal, a key mask and lengths meets in some case.
 @pytest.mark.parametrize(("seq_q", "options"), [
     (1, {}), (3, {"causal": True}), (16, {"causal": True, "key_mask": True}),
     (1, {"window": (40, 0)}), (3, {"lengths": True}), (16, {"lengths": True}),
     (1, {"causal": True, "lengths": True, "key_mask": True}),
-    (16, {"causal": True, "lengths": True, "key_mask": True}),
 ], ids=str)
 def test_decode_path_matches_reference(seq_q, options):
     options = dict(options)
@@ -221,17 +256,17 @@ def test_decode_path_matches_reference(seq_q, options):
     kw: dict = {k_: v_ for k_, v_ in options.items() if k_ in ("causal", "window")}
     args = [q, k, v]
     if options.get("key_mask"):
-        args.append(jax.random.bernoulli(jax.random.key(1), 0.8, (B, 300)))
+        args.append(jax.device_put(np.random.default_rng(1).random((B, 300)) < 0.8))
     if options.get("lengths"):
         kw["kv_lengths"] = jnp.array([300, 130, 3])
         kw["q_lengths"] = jnp.array([seq_q, seq_q, 1])
-    (out, lse), grads = outputs_and_grads(flash_attention, *args[:3], jax.random.key(2),
-                                          block_k=32, **kw) if len(args) == 3 else \
-        outputs_and_grads(lambda q, k, v, **a: flash_attention(q, k, v, args[3], **a),
-                          *args[:3], jax.random.key(2), block_k=32, **kw)
+    (out, lse), grads = values_and_grads(flash_attention, *args[:3], block_k=32,
+                                         **kw) if len(args) == 3 else \
+        values_and_grads(lambda q, k, v, **a: flash_attention(q, k, v, args[3], **a),
+                         *args[:3], block_k=32, **kw)
     ref_fn = plain_attention if len(args) == 3 else (
         lambda q, k, v, **a: plain_attention(q, k, v, args[3], **a))
-    (r_out, r_lse), r_grads = outputs_and_grads(ref_fn, *args[:3], jax.random.key(2), **kw)
+    (r_out, r_lse), r_grads = values_and_grads(ref_fn, *args[:3], **kw)
     assert_close(out, r_out)
     assert_lse_close(lse, r_lse)
     for g, r in zip(grads, r_grads, strict=True):
@@ -257,13 +292,17 @@ def test_decode_path_is_taken(monkeypatch):
 
     monkeypatch.setitem(dispatch.FAMILIES, "xla", xla._replace(split_k_forward=spy))
     jax.clear_caches()
+
+    def trace(seq_q):  # the kernel is chosen while tracing: nothing needs compiling
+        q, k, v = (jax.ShapeDtypeStruct(shape, jnp.float32) for shape in (
+            (B, H, seq_q, D), (B, KV, 3 * 64 + 5, D), (B, KV, 3 * 64 + 5, D)))
+        jax.eval_shape(lambda q, k, v: flash_attention(q, k, v, block_k=64), q, k, v)
+
     for seq_q in (1, 3, 16):
-        q, k, v = _qkv(seq_q, 3 * 64 + 5, seed=seq_q)
-        flash_attention(q, k, v, block_k=64)
+        trace(seq_q)
     assert [c.seq_q for c in calls] == [1, 3, 16]
     assert all(c.splits == 4 for c in calls)
-    q, k, v = _qkv(SPLIT_K_MAX_Q + 1, 3 * 64 + 5)
-    flash_attention(q, k, v, block_k=64)
+    trace(SPLIT_K_MAX_Q + 1)
     assert len(calls) == 3
     cfg = KernelConfig(seq_q=1, seq_k=64, block_q=1, block_k=64, window=Window(), scale=1.0)
     assert num_splits(cfg) == 1  # a single key block: nothing to split

@@ -3,6 +3,8 @@
 Bad construction and bad calls are tested in `test_module_errors.py`.
 """
 
+import functools
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -26,13 +28,26 @@ def _params(m):
     return eqx.filter(m, eqx.is_inexact_array)
 
 
-def _value_and_grads(model, query, key_, value, cotangent, **call):
-    """Output, and gradients of <out, cotangent> for the parameters and the inputs."""
+@eqx.filter_jit  # compiled whole: eagerly, each op of the module compiles a program
+def _call(module, *args, **kwargs):
+    return module(*args, **kwargs)
 
-    @eqx.filter_value_and_grad
+
+def _tril(rows, columns):
+    """A lower-triangular bool mask, made in NumPy: no eager op to compile."""
+    return jax.device_put(np.tril(np.ones((rows, columns), bool)))
+
+
+@eqx.filter_jit  # compiled whole: eagerly, each op of the module compiles a program
+def _value_and_grads(model, query, key_, value, cotangent, **call):
+    """`((<out, cotangent>, out), grads)`: the output, and the gradients of
+    <out, cotangent> for the parameters and the inputs."""
+
+    @functools.partial(eqx.filter_value_and_grad, has_aux=True)
     def f(args):
         m, q, k, v = args
-        return jnp.sum(m(q, k, v, **call) * cotangent)
+        out = m(q, k, v, **call)
+        return jnp.sum(out * cotangent), out
 
     return f((model, query, key_, value))
 
@@ -76,7 +91,8 @@ def test_dtype_float64_params():
         mha = eqx.nn.MultiheadAttention(2, 8, dtype=jnp.float64, key=jax.random.key(0))
         assert ours.query_proj.weight.dtype == jnp.float64
         x = jax.random.normal(jax.random.key(1), (6, 8), jnp.float64)
-        np.testing.assert_allclose(ours(x, x, x), mha(x, x, x), rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(_call(ours, x, x, x), _call(mha, x, x, x), rtol=1e-12,
+                                   atol=1e-12)
 
 
 def test_from_eqx_keeps_weights_and_dropout():
@@ -92,8 +108,9 @@ def test_from_eqx_keeps_weights_and_dropout():
     assert (ours.key_size, ours.value_size, ours.output_size) == (12, 10, 8)
     assert ours.causal and ours.block_q == 4 and ours.num_kv_heads == 4
     q, k, v = _inputs(jax.random.key(2), 16, 12, 10, seq_k=SEQ_Q)
-    causal = jnp.tril(jnp.ones((SEQ_Q, SEQ_Q), bool))
-    np.testing.assert_allclose(ours(q, k, v), mha(q, k, v, causal), rtol=1e-5, atol=1e-6)
+    causal = _tril(SEQ_Q, SEQ_Q)
+    np.testing.assert_allclose(_call(ours, q, k, v), _call(mha, q, k, v, causal), rtol=1e-5,
+                               atol=1e-6)
 
 
 # --- parity with eqx.nn.MultiheadAttention ---
@@ -121,11 +138,10 @@ def test_matches_equinox(mask_kind, getkey):
     q, k, v = _inputs(getkey(), 16, 12, 10)
     ours_mask, eqx_mask = _mask(mask_kind, getkey())
     cot = jax.random.normal(getkey(), (SEQ_Q, 6))
-    val_e, grads_e = _value_and_grads(mha, q, k, v, cot, mask=eqx_mask)
-    val_o, grads_o = _value_and_grads(ours, q, k, v, cot, mask=ours_mask)
+    (val_e, out_e), grads_e = _value_and_grads(mha, q, k, v, cot, mask=eqx_mask)
+    (val_o, out_o), grads_o = _value_and_grads(ours, q, k, v, cot, mask=ours_mask)
     np.testing.assert_allclose(val_o, val_e, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(ours(q, k, v, ours_mask), mha(q, k, v, eqx_mask),
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out_o, out_e, rtol=1e-5, atol=1e-6)
     # Same field names, so the gradient pytrees line up leaf for leaf.
     (gm_e, *gx_e), (gm_o, *gx_o) = grads_e, grads_o
     for name in ("query_proj", "key_proj", "value_proj", "output_proj"):
@@ -148,16 +164,17 @@ def test_rotary_process_heads(getkey):
     ours = FlashMultiheadAttention(4, 16, causal=True, key=model_key)
     rope = eqx.nn.RotaryPositionalEmbedding(4)
     x, _, _ = _inputs(getkey())
-    causal = jnp.tril(jnp.ones((SEQ_Q, SEQ_Q), bool))
+    causal = _tril(SEQ_Q, SEQ_Q)
     cot = jax.random.normal(getkey(), (SEQ_Q, 16))
-    val_e, grads_e = _value_and_grads(mha, x, x, x, cot, mask=causal,
-                                      process_heads=_rope_heads(rope))
-    val_o, grads_o = _value_and_grads(ours, x, x, x, cot, process_heads=_rope_heads(rope))
+    process_heads = _rope_heads(rope)
+    (val_e, _), grads_e = _value_and_grads(mha, x, x, x, cot, mask=causal,
+                                           process_heads=process_heads)
+    (val_o, out_o), grads_o = _value_and_grads(ours, x, x, x, cot, process_heads=process_heads)
     np.testing.assert_allclose(val_o, val_e, rtol=1e-5)
     _assert_tree_close(grads_o[1:], grads_e[1:])
     _assert_tree_close(_params(grads_o[0]).query_proj, _params(grads_e[0]).query_proj)
     # Rotary embeddings actually changed something.
-    assert not np.allclose(ours(x, x, x, process_heads=_rope_heads(rope)), ours(x, x, x))
+    assert not np.allclose(out_o, _call(ours, x, x, x))
 
 
 def test_fully_masked_row_differs_from_equinox(getkey):
@@ -165,17 +182,19 @@ def test_fully_masked_row_differs_from_equinox(getkey):
     mha = eqx.nn.MultiheadAttention(2, 8, use_output_bias=True, key=model_key)
     ours = FlashMultiheadAttention(2, 8, use_output_bias=True, key=model_key)
     x = jax.random.normal(getkey(), (6, 8))
-    mask = jnp.ones((6, 6), bool).at[2].set(False)
-    out_o, out_e = ours(x, x, x, mask), mha(x, x, x, mask)
-    rows = jnp.arange(6) != 2
+    mask = np.ones((6, 6), bool)
+    mask[2] = False
+    mask = jax.device_put(mask)
+    out_o, out_e = (np.asarray(_call(m, x, x, x, mask)) for m in (ours, mha))
+    rows = np.arange(6) != 2
     np.testing.assert_allclose(out_o[rows], out_e[rows], rtol=1e-5, atol=1e-6)
     # Equinox attends uniformly (the mean of the values); we attend to nothing: 0 heads,
     # so the output is just the output projection's bias.
     assert ours.output_proj.bias is not None
     np.testing.assert_allclose(out_o[2], ours.output_proj.bias, rtol=1e-6)
-    mean_v = jax.vmap(mha.value_proj)(x).mean(axis=0)
-    np.testing.assert_allclose(out_e[2], mha.output_proj(mean_v), rtol=1e-5, atol=1e-6)
-    grads = eqx.filter_grad(lambda m: jnp.sum(m(x, x, x, mask) ** 2))(ours)
+    mean_v = eqx.filter_jit(lambda x: mha.output_proj(jax.vmap(mha.value_proj)(x).mean(0)))(x)
+    np.testing.assert_allclose(out_e[2], mean_v, rtol=1e-5, atol=1e-6)
+    grads = eqx.filter_jit(eqx.filter_grad(lambda m: jnp.sum(m(x, x, x, mask) ** 2)))(ours)
     assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
 
 
@@ -185,10 +204,11 @@ def test_options_match_dense_masks(getkey):
     ours = FlashMultiheadAttention(4, 16, causal=True, window=(3, None), softcap=None,
                                    key=model_key)
     q, k, v = _inputs(getkey())
-    i = jnp.arange(SEQ_Q)[:, None] + SEQ_K - SEQ_Q
-    j = jnp.arange(SEQ_K)[None, :]
-    dense = (j <= i) & (j >= i - 3)
-    np.testing.assert_allclose(ours(q, k, v), mha(q, k, v, dense), rtol=1e-5, atol=1e-6)
+    i = np.arange(SEQ_Q)[:, None] + SEQ_K - SEQ_Q
+    j = np.arange(SEQ_K)[None, :]
+    dense = jax.device_put((j <= i) & (j >= i - 3))
+    np.testing.assert_allclose(_call(ours, q, k, v), _call(mha, q, k, v, dense), rtol=1e-5,
+                               atol=1e-6)
 
 
 # --- batching and transformations ---
@@ -200,12 +220,14 @@ def test_vmap_with_per_example_padding(getkey):
     ours = FlashMultiheadAttention(4, 16, key=model_key)
     batch = 3
     x = jax.random.normal(getkey(), (batch, SEQ_K, 16))
-    lengths = jnp.array([SEQ_K, 13, 5])
-    pad = jnp.arange(SEQ_K)[None, :] < lengths[:, None]
-    out = jax.vmap(ours)(x, x, x, pad)
+    lengths = np.array([SEQ_K, 13, 5])
+    pad = np.arange(SEQ_K)[None, :] < lengths[:, None]
+    out = np.asarray(jax.vmap(ours)(x, x, x, jax.device_put(pad)))
+    x = np.asarray(x)  # (sliced in NumPy: no eager op to compile)
     for b in range(batch):
-        dense = jnp.broadcast_to(pad[b], (SEQ_K, SEQ_K))
-        np.testing.assert_allclose(out[b], mha(x[b], x[b], x[b], dense), rtol=1e-5, atol=1e-6)
+        dense = np.broadcast_to(pad[b], (SEQ_K, SEQ_K))
+        xb, dense = jax.device_put((x[b], dense))
+        np.testing.assert_allclose(out[b], _call(mha, xb, xb, xb, dense), rtol=1e-5, atol=1e-6)
 
 
 def test_filter_jit_and_grad(getkey):
@@ -235,13 +257,14 @@ def test_gqa_equals_repeated_kv_projections(getkey):
     groups = heads // kv_heads
 
     def repeat(linear, size):
-        # Query head h uses kv head h // groups.
+        # Query head h uses kv head h // groups. (In NumPy: no eager op to compile.)
         new = eqx.nn.Linear(16, heads * size, use_bias=linear.use_bias, key=getkey())
-        w = jnp.repeat(linear.weight.reshape(kv_heads, size, -1), groups, axis=0)
-        new = eqx.tree_at(lambda lin: lin.weight, new, w.reshape(heads * size, -1))
+        w = np.repeat(np.asarray(linear.weight).reshape(kv_heads, size, -1), groups, axis=0)
+        new = eqx.tree_at(lambda lin: lin.weight, new,
+                          jax.device_put(w.reshape(heads * size, -1)))
         if linear.bias is not None:
-            b = jnp.repeat(linear.bias.reshape(kv_heads, size), groups, axis=0)
-            new = eqx.tree_at(lambda lin: lin.bias, new, b.reshape(-1))
+            b = np.repeat(np.asarray(linear.bias).reshape(kv_heads, size), groups, axis=0)
+            new = eqx.tree_at(lambda lin: lin.bias, new, jax.device_put(b.reshape(-1)))
         return new
 
     mha = eqx.nn.MultiheadAttention(heads, 16, qk_size=qk, vo_size=vo, use_key_bias=True,
@@ -253,8 +276,11 @@ def test_gqa_equals_repeated_kv_projections(getkey):
          ours.output_proj),
     )
     q, k, v = _inputs(getkey())
-    mask = jax.random.bernoulli(getkey(), 0.7, (heads, SEQ_Q, SEQ_K)).at[..., 0].set(True)
-    np.testing.assert_allclose(ours(q, k, v, mask), mha(q, k, v, mask), rtol=1e-5, atol=1e-6)
+    mask = np.random.default_rng(0).random((heads, SEQ_Q, SEQ_K)) < 0.7
+    mask[..., 0] = True
+    mask = jax.device_put(mask)
+    np.testing.assert_allclose(_call(ours, q, k, v, mask), _call(mha, q, k, v, mask),
+                               rtol=1e-5, atol=1e-6)
     mqa = FlashMultiheadAttention(heads, 16, num_kv_heads=1, key=getkey())
     assert mqa(q, k, v).shape == (SEQ_Q, 16)
 
@@ -266,16 +292,21 @@ def test_dropout_matches_plain_attention(getkey):
     model_key, drop_key = getkey(), getkey()
     ours = FlashMultiheadAttention(4, 16, dropout_p=0.3, num_kv_heads=2, key=model_key)
     q, k, v = _inputs(getkey())
-    out = ours(q, k, v, key=drop_key)
-    heads = [
-        jax.vmap(p)(x).reshape(x.shape[0], n, -1).swapaxes(0, 1)
-        for p, x, n in ((ours.query_proj, q, 4), (ours.key_proj, k, 2), (ours.value_proj, v, 2))
-    ]
-    ref, _ = plain_attention(*heads, dropout_rate=0.3, key=drop_key)
-    expected = jax.vmap(ours.output_proj)(ref.swapaxes(0, 1).reshape(SEQ_Q, -1))
-    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
-    np.testing.assert_array_equal(out, ours(q, k, v, key=drop_key))
-    assert not np.allclose(out, ours(q, k, v, key=getkey()))
+    out = _call(ours, q, k, v, key=drop_key)
+
+    @jax.jit  # compiled whole: faster than op by op
+    def reference(q, k, v, key):
+        heads = [
+            jax.vmap(p)(x).reshape(x.shape[0], n, -1).swapaxes(0, 1)
+            for p, x, n in ((ours.query_proj, q, 4), (ours.key_proj, k, 2),
+                            (ours.value_proj, v, 2))
+        ]
+        ref, _ = plain_attention(*heads, dropout_rate=0.3, key=key)
+        return jax.vmap(ours.output_proj)(ref.swapaxes(0, 1).reshape(SEQ_Q, -1))
+
+    np.testing.assert_allclose(out, reference(q, k, v, drop_key), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(out, _call(ours, q, k, v, key=drop_key))
+    assert not np.allclose(out, _call(ours, q, k, v, key=getkey()))
 
 
 def test_inference_switch(getkey):
@@ -325,19 +356,21 @@ def test_flash_attention_module(getkey):
                           block_k=8, dropout_p=0.25)
     assert attn.window == (4, None)
     opts = {"causal": True, "window": (4, None), "softcap": 5.0, "scale": 0.3}
-    pad = jnp.arange(SEQ_K) < 17
-    dense = jax.random.bernoulli(getkey(), 0.8, (SEQ_Q, SEQ_K))
-    per_head = jax.random.bernoulli(getkey(), 0.8, (4, SEQ_Q, SEQ_K))
+    rng = np.random.default_rng(0)  # (masks made in NumPy: no eager op to compile)
+    pad, dense, per_head = jax.device_put((
+        np.arange(SEQ_K) < 17, rng.random((SEQ_Q, SEQ_K)) < 0.8,
+        rng.random((4, SEQ_Q, SEQ_K)) < 0.8))
     drop_key = getkey()
+    plain = eqx.filter_jit(plain_attention)  # (compiled whole: faster than op by op)
     np.testing.assert_allclose(
         attn(q, k, v, pad, key=drop_key),
-        plain_attention(q, k, v, pad, dropout_rate=0.25, key=drop_key, **opts)[0],
+        plain(q, k, v, pad, dropout_rate=0.25, key=drop_key, **opts)[0],
         rtol=1e-5, atol=1e-6,
     )
     for m in (dense, per_head):
         np.testing.assert_allclose(
             attn(q, k, v, m, inference=True),
-            plain_attention(q, k, v, attn_mask=m, **opts)[0], rtol=1e-5, atol=1e-6,
+            plain(q, k, v, attn_mask=m, **opts)[0], rtol=1e-5, atol=1e-6,
         )
     out = eqx.nn.inference_mode(attn)(q, k, v)
     expected = flash_attention(q, k, v, block_q=4, block_k=8, **opts)[0]
@@ -358,12 +391,14 @@ def test_lengths_bias_and_alibi_at_call_time(getkey):
     extra = dict(bias=bias, q_lengths=q_len, kv_lengths=kv_len)
 
     attn = FlashAttention(causal=True, block_q=4, block_k=8)
-    out = jax.vmap(lambda q, k, v, b, lq, lk: attn(
-        q, k, v, bias=b, q_lengths=lq, kv_lengths=lk, alibi_slopes=slopes))(
-        q, k, v, bias, q_len, kv_len)
-    ref, _ = plain_attention(q, k, v, causal=True, alibi_slopes=slopes, **extra)
+    # Each computation compiled whole: eagerly, each op compiles a program.
+    out = np.asarray(jax.jit(jax.vmap(lambda q, k, v, b, lq, lk: attn(
+        q, k, v, bias=b, q_lengths=lq, kv_lengths=lk, alibi_slopes=slopes)))(
+        q, k, v, bias, q_len, kv_len))
+    ref, _ = eqx.filter_jit(plain_attention)(q, k, v, causal=True, alibi_slopes=slopes,
+                                             **extra)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
-    assert np.all(np.asarray(out[1, :, 7:]) == 0)  # queries past q_lengths
+    assert np.all(out[1, :, 7:] == 0)  # queries past q_lengths
 
     # The multi-head module: the same heads through the projections, and rows past
     # q_lengths are the output projection of zeros.
@@ -387,18 +422,20 @@ def test_lengths_bias_and_alibi_at_call_time(getkey):
         v = jax.vmap(mha.value_proj)(x).reshape(SEQ_K, 2, -1)
         return jax.vmap(mha.output_proj)(attend(q, k, v).reshape(SEQ_Q, -1))
 
-    out = jax.jit(jax.vmap(ours))(y, x, bias, q_len, kv_len)
-    np.testing.assert_allclose(out, jax.vmap(reference)(y, x, bias, q_len, kv_len),
+    out = np.asarray(jax.jit(jax.vmap(ours))(y, x, bias, q_len, kv_len))
+    np.testing.assert_allclose(out, jax.jit(jax.vmap(reference))(y, x, bias, q_len, kv_len),
                                rtol=1e-5, atol=1e-5)
-    zeros_out = mha.output_proj(jnp.zeros(mha.num_heads * mha.vo_size))
-    np.testing.assert_allclose(out[2, 1:], jnp.broadcast_to(zeros_out, (SEQ_Q - 1, 16)),
+    zeros_out = _call(mha.output_proj,
+                      jax.device_put(np.zeros(mha.num_heads * mha.vo_size, np.float32)))
+    np.testing.assert_allclose(out[2, 1:], np.broadcast_to(zeros_out, (SEQ_Q - 1, 16)),
                                rtol=1e-6, atol=1e-6)
 
     # Gradients reach the bias and the slopes through the module.
-    d_bias, d_slopes = jax.grad(lambda b, s: jnp.sum(attn(
-        q[0], k[0], v[0], bias=b, alibi_slopes=s) ** 2), argnums=(0, 1))(bias[0], slopes)
-    r_bias, r_slopes = jax.grad(lambda b, s: jnp.sum(plain_attention(
-        q[0], k[0], v[0], causal=True, bias=b, alibi_slopes=s)[0] ** 2), argnums=(0, 1))(
-        bias[0], slopes)
+    q, k, v, bias = jax.device_put([np.asarray(x)[0] for x in (q, k, v, bias)])
+    d_bias, d_slopes = jax.jit(jax.grad(lambda b, s: jnp.sum(attn(
+        q, k, v, bias=b, alibi_slopes=s) ** 2), argnums=(0, 1)))(bias, slopes)
+    r_bias, r_slopes = jax.jit(jax.grad(lambda b, s: jnp.sum(plain_attention(
+        q, k, v, causal=True, bias=b, alibi_slopes=s)[0] ** 2), argnums=(0, 1)))(
+        bias, slopes)
     np.testing.assert_allclose(d_bias, r_bias, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(d_slopes, r_slopes, rtol=1e-4, atol=1e-5)
