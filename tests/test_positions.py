@@ -72,6 +72,13 @@ def _call_arguments(case: dict, q_pos, kv_pos, seed=1, dtype=jnp.float32):
     return kwargs
 
 
+# At the default block sizes too (one block here): every window and option but `causal`
+# and `alibi_only`, whose options run there within `causal_alibi_softcap` and
+# `causal_lengths` (ALiBi is elementwise: no block is skipped for it).
+DEFAULT_BLOCKS = ("window", "left_only", "causal_alibi_softcap", "window_mask_segments",
+                  "causal_lengths")
+
+
 @pytest.mark.parametrize("pattern", ["offset", "sorted", "unsorted"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_values_and_lse_match_the_independent_reference(name, pattern):
@@ -79,22 +86,30 @@ def test_values_and_lse_match_the_independent_reference(name, pattern):
     q_pos, kv_pos = _positions(pattern)
     ours = _call_arguments(CASES[name], q_pos, kv_pos)
     expected_out, expected_lse, _ = oracle_attention(q, k, v, **ours)
-    for fn, blocks in ((eqx_flash.flash_attention, BLOCKS), (eqx_flash.flash_attention, {}),
-                       (eqx_flash.plain_attention, {})):
+    calls = [(eqx_flash.flash_attention, BLOCKS), (eqx_flash.plain_attention, {})]
+    if name in DEFAULT_BLOCKS:
+        calls.append((eqx_flash.flash_attention, {}))
+    for fn, blocks in calls:
         out, lse = fn(q, k, v, **ours, **blocks)
         assert_close(out, expected_out)
         assert_lse_close(lse, expected_lse)
 
 
-@pytest.mark.parametrize("name", ["causal_alibi_softcap", "window_mask_segments",
-                                  "causal_lengths"])
+# Three of `CASES` in two programs: `causal_lengths` joins `causal_alibi_softcap`.
+GRADIENT_CASES = {
+    "causal_alibi_softcap_lengths": dict(CASES["causal_alibi_softcap"], lengths=True),
+    "window_mask_segments": CASES["window_mask_segments"],
+}
+
+
+@pytest.mark.parametrize("name", list(GRADIENT_CASES))
 def test_gradients_and_tangents_in_float64(name):
     """Gradients of q, k, v and the ALiBi slopes, and tangents, against the reference's
     own derivatives, in float64 (unsorted positions: skipped and masked blocks mixed)."""
     with enable_x64():
         q, k, v = (x.astype(jnp.float64) for x in _inputs(2))
         q_pos, kv_pos = _positions("unsorted", 3)
-        ours = _call_arguments(CASES[name], q_pos, kv_pos, dtype=jnp.float64)
+        ours = _call_arguments(GRADIENT_CASES[name], q_pos, kv_pos, dtype=jnp.float64)
         rng = np.random.default_rng(4)
         w = jnp.asarray(rng.standard_normal((B, H, SQ, D)))
         u = jnp.asarray(rng.standard_normal((B, H, SQ)))
@@ -114,52 +129,62 @@ def test_gradients_and_tangents_in_float64(name):
 
         argnums = (0, 1, 2, 3) if slopes is not None else (0, 1, 2)
         args = (q, k, v, slopes)
-        got = jax.grad(loss(ours_fn), argnums=argnums)(*args)
-        expected = jax.grad(loss(theirs_fn), argnums=argnums)(*args)
+        tangents = tuple(jnp.asarray(rng.standard_normal(x.shape)) for x in (q, k, v))
+
+        @jax.jit
+        def derivatives(args, tangents):  # each side compiled whole, gradients and tangents
+            return (jax.grad(loss(ours_fn), argnums=argnums)(*args),
+                    jax.jvp(lambda q, k, v: ours_fn(q, k, v, args[3]), args[:3], tangents)[1],
+                    jax.grad(loss(theirs_fn), argnums=argnums)(*args),
+                    jax.jvp(lambda q, k, v: theirs_fn(q, k, v, args[3]), args[:3], tangents)[1])
+
+        got, got_tangents, expected, expected_tangents = jax.tree.map(
+            np.asarray, derivatives(args, tangents))
         for g, e in zip(got, expected, strict=True):
             assert g.shape == e.shape and g.dtype == e.dtype
             np.testing.assert_allclose(g, e, rtol=1e-9, atol=1e-11)
-        tangents = tuple(jnp.asarray(rng.standard_normal(x.shape)) for x in (q, k, v))
-        for fn in (ours_fn, theirs_fn):
-            fn.result = jax.jvp(lambda q, k, v, fn=fn: fn(q, k, v, slopes), (q, k, v),
-                                tangents)[1]
-        for g, e in zip(ours_fn.result, theirs_fn.result, strict=True):
+        for g, e in zip(got_tangents, expected_tangents, strict=True):
             np.testing.assert_allclose(np.where(np.isfinite(e), g, 0.0),
                                        np.where(np.isfinite(e), e, 0.0), rtol=1e-9, atol=1e-11)
 
 
 def test_indices_as_positions_are_the_index_masks():
     """Positions equal to the bottom-right aligned indices give `causal=True`, a window
-    and ALiBi on indices exactly."""
+    and ALiBi on indices (the float64 oracle on indices), with positions per batch element
+    and `(1, seq)` broadcast over the batch."""
     q, k, v = _inputs(5)
-    q_pos = jnp.arange(SQ, dtype=jnp.int32)[None] + (SK - SQ)
-    kv_pos = jnp.arange(SK, dtype=jnp.int32)[None]
-    slopes = jnp.linspace(0.1, 0.4, H)
-    for options in (dict(causal=True), dict(window=(6, 2)), dict(causal=True,
-                                                                  alibi_slopes=slopes)):
-        expected = eqx_flash.flash_attention(q, k, v, **options, **BLOCKS)
-        got = eqx_flash.flash_attention(q, k, v, q_positions=q_pos, kv_positions=kv_pos,
-                                        **options, **BLOCKS)
+    q_pos = np.arange(SQ, dtype=np.int32)[None] + (SK - SQ)
+    kv_pos = np.arange(SK, dtype=np.int32)[None]
+    per_batch = (np.repeat(q_pos, B, axis=0), np.repeat(kv_pos, B, axis=0))
+    slopes = np.linspace(0.1, 0.4, H, dtype=np.float32)
+    # (The first two programs are those of `CASES`' causal and window.)
+    for options, (qp, kp) in ((dict(causal=True), per_batch), (dict(window=(5, 3)), per_batch),
+                              (dict(causal=True, alibi_slopes=slopes), (q_pos, kv_pos))):
+        expected = oracle_attention(q, k, v, **options)
+        got = eqx_flash.flash_attention(q, k, v, q_positions=qp, kv_positions=kp, **options,
+                                        **BLOCKS)
         assert_close(got[0], expected[0])
         assert_lse_close(got[1], expected[1])
 
 
 def test_packed_documents_equal_per_document_attention():
     """Three documents packed in one row, positions restarting at each, causal + ALiBi
-    on positions + segment ids: each document's rows equal attention on it alone."""
+    on positions + segment ids: each document's rows equal attention on it alone (the
+    float64 oracle on that document)."""
     seq, lengths = 48, (13, 20, 15)
     q, k, v = qkv(6, (1, H, seq, D), (1, KH, seq, D))
     ids = np.repeat(np.arange(3), lengths).astype(np.int32)[None]
     positions = np.concatenate([np.arange(n) for n in lengths]).astype(np.int32)[None]
-    slopes = jnp.linspace(0.1, 0.4, H)
+    slopes = np.linspace(0.1, 0.4, H, dtype=np.float32)
     out, lse = eqx_flash.flash_attention(
         q, k, v, causal=True, alibi_slopes=slopes, q_segment_ids=ids, kv_segment_ids=ids,
         q_positions=positions, kv_positions=positions, **BLOCKS)
+    q, k, v, out, lse = (np.asarray(x) for x in (q, k, v, out, lse))
     start = 0
     for n in lengths:
         part = slice(start, start + n)
-        alone = eqx_flash.flash_attention(q[..., part, :], k[..., part, :], v[..., part, :],
-                                          causal=True, alibi_slopes=slopes, **BLOCKS)
+        alone = oracle_attention(q[..., part, :], k[..., part, :], v[..., part, :],
+                                 causal=True, alibi_slopes=slopes)
         assert_close(out[..., part, :], alone[0])
         assert_lse_close(lse[..., part], alone[1])
         start += n
@@ -169,22 +194,21 @@ def test_rows_with_nothing_to_attend_are_zero_with_finite_gradients():
     """Causal on positions where some queries precede every key: out 0, lse -inf, zero
     finite gradients."""
     q, k, v = _inputs(7)
-    q_pos = jnp.broadcast_to(jnp.arange(SQ, dtype=jnp.int32) - 10, (B, SQ))
-    kv_pos = jnp.broadcast_to(jnp.arange(SK, dtype=jnp.int32), (B, SK))
+    q_pos = np.broadcast_to(np.arange(SQ, dtype=np.int32) - 10, (B, SQ))
+    kv_pos = np.broadcast_to(np.arange(SK, dtype=np.int32), (B, SK))
 
     def loss(q, k, v):
         out, lse = eqx_flash.flash_attention(q, k, v, causal=True, q_positions=q_pos,
                                              kv_positions=kv_pos, **BLOCKS)
-        return jnp.sum(out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+        return jnp.sum(out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0)), (out, lse)
 
-    out, lse = eqx_flash.flash_attention(q, k, v, causal=True, q_positions=q_pos,
-                                         kv_positions=kv_pos, **BLOCKS)
-    np.testing.assert_array_equal(np.asarray(out[..., :10, :]), 0.0)
-    assert bool(jnp.all(jnp.isneginf(lse[..., :10])))
-    assert bool(jnp.all(jnp.isfinite(lse[..., 10:])))
-    dq, dk, dv = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
-    assert all(bool(jnp.all(jnp.isfinite(g))) for g in (dq, dk, dv))
-    np.testing.assert_array_equal(np.asarray(dq[..., :10, :]), 0.0)
+    grads, (out, lse) = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    (dq, dk, dv), out, lse = jax.tree.map(np.asarray, (grads, out, lse))
+    np.testing.assert_array_equal(out[..., :10, :], 0.0)
+    assert np.all(np.isneginf(lse[..., :10]))
+    assert np.all(np.isfinite(lse[..., 10:]))
+    assert all(np.all(np.isfinite(g)) for g in (dq, dk, dv))
+    np.testing.assert_array_equal(dq[..., :10, :], 0.0)
 
 
 def test_causal_positions_visit_the_blocks_causal_visits():
@@ -192,14 +216,15 @@ def test_causal_positions_visit_the_blocks_causal_visits():
     the same key blocks visited, the same ones whole (so no more work than `causal=True`);
     a block out of reach by position is never visited."""
     seq, block = 64, 16
-    index = jnp.arange(seq, dtype=jnp.int32)
+    index = jnp.asarray(np.arange(seq, dtype=np.int32))
     ops = Operands(q_positions=index.reshape(1, seq, 1), kv_positions=index.reshape(1, 1, seq))
     causal = KernelConfig(seq, seq, block, block, Window(None, 0), scale=1.0)
     on_positions = KernelConfig(seq, seq, block, block, Window(None, 0), scale=1.0,
                                 positions=True)
+    limits_of = jax.jit(position_limits, static_argnums=(0, 2))  # one program, not op by op
     for by in ("q", "k"):
         bands = band_ranges(causal, by=by)
-        limits = position_limits(on_positions, ops, by)
+        limits = limits_of(on_positions, ops, by)
         assert limits is not None
         lo, hi, full_lo, full_hi = (np.asarray(x) for x in limits)
         np.testing.assert_array_equal(lo, bands.lo)
@@ -217,12 +242,12 @@ def test_score_mod_receives_indices_and_can_capture_positions():
     def on_positions(s, b, h, i, j):
         return s - 0.2 * jnp.abs(q_pos[b, i] - kv_pos[b, j]).astype(s.dtype)
 
-    slopes = jnp.full((H,), 0.2)
     got = eqx_flash.flash_attention(q, k, v, causal=True, q_positions=q_pos,
                                     kv_positions=kv_pos, score_mod=on_positions, **BLOCKS)
-    expected = eqx_flash.flash_attention(q, k, v, causal=True, q_positions=q_pos,
-                                         kv_positions=kv_pos, alibi_slopes=slopes, **BLOCKS)
+    expected = oracle_attention(q, k, v, causal=True, q_positions=q_pos, kv_positions=kv_pos,
+                                alibi_slopes=np.full((H,), 0.2))  # ALiBi on the positions
     assert_close(got[0], expected[0])
+    assert_lse_close(got[1], expected[1])
 
 
 def test_split_k_decoding_on_positions():
@@ -240,44 +265,53 @@ def test_split_k_decoding_on_positions():
 
 
 def test_modules_take_positions_per_call():
-    q, k, v = (x[0] for x in _inputs(11))
-    q_pos, kv_pos = (x[0] for x in _positions("offset"))
+    q, k, v = (np.asarray(x)[:1] for x in _inputs(11))
+    q_pos, kv_pos = (np.asarray(x)[:1] for x in _positions("offset"))
     layer = eqx_flash.FlashAttention(causal=True, **BLOCKS)
-    expected = oracle_attention(q[None], k[None], v[None], causal=True,
-                                q_positions=q_pos[None], kv_positions=kv_pos[None])[0][0]
-    assert_close(layer(q, k, v, q_positions=q_pos, kv_positions=kv_pos), expected)
+    expected = oracle_attention(q, k, v, causal=True, q_positions=q_pos, kv_positions=kv_pos)[0]
+    q1, k1, v1, qp1, kp1 = (jnp.asarray(x[0]) for x in (q, k, v, q_pos, kv_pos))
+    got = layer(q1, k1, v1, q_positions=qp1, kv_positions=kp1)
+    assert_close(got, expected[0])
     mha = eqx_flash.FlashMultiheadAttention(H, 16, num_kv_heads=KH, causal=True,
                                             key=jax.random.key(0))
-    x = jax.random.normal(jax.random.key(1), (2, 24, 16))
-    positions = jnp.broadcast_to(jnp.concatenate([jnp.arange(10), jnp.arange(14)]), (2, 24))
-    ids = jnp.broadcast_to(jnp.repeat(jnp.arange(2), jnp.asarray([10, 14]),
-                                      total_repeat_length=24), (2, 24))
-    same_doc = ids[0][:, None] == ids[0][None, :]
-    packed = jax.vmap(lambda x, p: mha(x, x, x, same_doc, q_positions=p, kv_positions=p))(
-        x, positions)
-    for part in (slice(0, 10), slice(10, 24)):  # each document as if alone
-        alone = jax.vmap(lambda x, part=part: mha(x[part], x[part], x[part]))(x)
-        assert_close(packed[:, part], alone)
-    # Positions alone (no document mask): causal on positions is the mask `p_k <= p_q`.
-    on_positions = jax.vmap(lambda x, p: mha(x, x, x, q_positions=p, kv_positions=p))(
-        x, positions)
-    # (Equal positions lift the layer's causal mask, leaving the mask alone.)
-    zeros = jnp.zeros(24, jnp.int32)
-    by_mask = jax.vmap(lambda x, p: mha(x, x, x, p[None, :] <= p[:, None], q_positions=zeros,
-                                        kv_positions=zeros))(x, positions)
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((2, 24, 16)), jnp.float32)
+    positions = np.broadcast_to(np.r_[np.arange(10), np.arange(14)].astype(np.int32), (2, 24))
+    ids = np.repeat(np.arange(2), [10, 14])
+    same_doc = jnp.asarray(ids[:, None] == ids[None, :])
+    parts = (slice(0, 10), slice(10, 24))
+
+    @eqx.filter_jit  # every call below in one program
+    def calls(mha, x, positions):
+        packed = jax.vmap(lambda x, p: mha(x, x, x, same_doc, q_positions=p, kv_positions=p))(
+            x, positions)
+        alone = [jax.vmap(lambda x, part=part: mha(x[part], x[part], x[part]))(x)
+                 for part in parts]
+        # Positions alone (no document mask): causal on positions is the mask `p_k <= p_q`.
+        on_positions = jax.vmap(lambda x, p: mha(x, x, x, q_positions=p, kv_positions=p))(
+            x, positions)
+        # (Equal positions lift the layer's causal mask, leaving the mask alone.)
+        zeros = jnp.zeros(24, jnp.int32)
+        by_mask = jax.vmap(lambda x, p: mha(x, x, x, p[None, :] <= p[:, None],
+                                            q_positions=zeros, kv_positions=zeros))(x, positions)
+        return packed, alone, on_positions, by_mask
+
+    packed, alone, on_positions, by_mask = jax.tree.map(np.asarray, calls(mha, x, positions))
+    for part, each in zip(parts, alone, strict=True):  # each document as if alone
+        assert_close(packed[:, part], each)
     assert_close(on_positions, by_mask)
 
 
-def test_positions_check_through_every_derivative():
-    """`check_attention` with jvp and second order (HVP, grad of grad) on positions."""
+def test_positions_check_through_gradients_and_second_order():
+    """`check_attention` with gradients and second order (HVP) on positions (the tangents:
+    `test_gradients_and_tangents_in_float64`, and in float32 the property below)."""
     inputs = eqx_flash.testing.AttentionInputs(*_inputs(12), dict(
         causal=True, q_positions=_positions("unsorted")[0],
-        kv_positions=_positions("unsorted")[1], alibi_slopes=jnp.linspace(0.1, 0.3, H),
-        **BLOCKS))
-    check_attention(eqx_flash.flash_attention, inputs, jvp=True, second_order=True)
+        kv_positions=_positions("unsorted")[1],
+        alibi_slopes=jnp.asarray(np.linspace(0.1, 0.3, H), jnp.float32), **BLOCKS))
+    check_attention(eqx_flash.flash_attention, inputs, second_order=True)
 
 
-@examples(25)
+@examples(12)
 @given(attention_inputs(positions=True, dtypes=[jnp.float32], alibi=None, lengths=None,
                         sinks=None, segment_ids=None))
 def test_property_against_the_reference(inputs):

@@ -23,6 +23,12 @@ def _inputs(seed=0):
     return q, k, v, sinks
 
 
+def _sliced(seed):
+    """`_inputs(seed)` with 16 queries and keys (cut on the host: no slicing programs)."""
+    q, k, v, sinks = _inputs(seed)
+    return (*(jnp.asarray(np.asarray(x)[..., :16, :]) for x in (q, k, v)), sinks)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("options", [{}, {"softcap": 3.0}, BLOCKS])
 def test_values_and_lse_match_the_independent_reference(causal, options):
@@ -31,15 +37,20 @@ def test_values_and_lse_match_the_independent_reference(causal, options):
     mask[1] = False  # batch element 1 attends nothing: out 0, lse = sink
     expected_out, expected_lse, _ = oracle_attention(q, k, v, mask, causal=causal, sinks=sinks,
                                                      softcap=options.get("softcap"))
-    for fn in (eqx_flash.flash_attention, eqx_flash.plain_attention):
-        kwargs = options if fn is eqx_flash.flash_attention else {
-            n: x for n, x in options.items() if n == "softcap"}
-        out, lse = fn(q, k, v, jnp.asarray(mask), causal=causal, sinks=sinks, **kwargs)
+    plain_options = {n: x for n, x in options.items() if n == "softcap"}
+
+    @jax.jit  # both functions in one program (the mask stays concrete)
+    def results(q, k, v, sinks):
+        return [fn(q, k, v, jnp.asarray(mask), causal=causal, sinks=sinks, **kwargs)
+                for fn, kwargs in ((eqx_flash.flash_attention, options),
+                                   (eqx_flash.plain_attention, plain_options))]
+
+    for out, lse in results(q, k, v, sinks):
         assert_close(out, expected_out)
         assert_lse_close(lse, expected_lse)
-    np.testing.assert_array_equal(np.asarray(out[1]), 0.0)
-    np.testing.assert_allclose(np.asarray(lse[1]), np.broadcast_to(sinks[:, None], (H, SQ)),
-                               rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(out)[1], 0.0)
+    np.testing.assert_allclose(np.asarray(lse)[1],
+                               np.broadcast_to(np.asarray(sinks)[:, None], (H, SQ)), rtol=1e-6)
 
 
 def test_gradients_and_tangents_in_float64():
@@ -57,17 +68,23 @@ def test_gradients_and_tangents_in_float64():
         def dense(q, k, v, sinks, causal=True):
             return oracle_attention(q, k, v, causal=causal, sinks=sinks, xp=jnp)[:2]
 
+        def flash(q, k, v, sinks, causal=True):
+            return eqx_flash.flash_attention(q, k, v, causal=causal, sinks=sinks)
+
         args = (q, k, v, sinks)
-        expected = jax.grad(loss(dense), argnums=(0, 1, 2, 3))(*args)
-        got = jax.grad(loss(eqx_flash.flash_attention), argnums=(0, 1, 2, 3))(*args)
+        tangents = tuple(jnp.asarray(np.random.default_rng(5 + i).standard_normal(x.shape))
+                         for i, x in enumerate(args))
+
+        @jax.jit
+        def derivatives(args, tangents):  # both sides, gradients and tangents, compiled once
+            return [(jax.grad(loss(fn), argnums=(0, 1, 2, 3))(*args),
+                     jax.jvp(fn, args, tangents)[1]) for fn in (flash, dense)]
+
+        (got, t_got), (expected, t_expected) = jax.tree.map(
+            np.asarray, derivatives(args, tangents))
         for g, e in zip(got, expected, strict=True):
             assert g.shape == e.shape and g.dtype == e.dtype
             np.testing.assert_allclose(g, e, rtol=1e-10, atol=1e-12)
-        tangents = tuple(jnp.asarray(np.random.default_rng(5 + i).standard_normal(x.shape))
-                         for i, x in enumerate(args))
-        _, t_got = jax.jvp(lambda *a: eqx_flash.flash_attention(*a[:3], causal=True,
-                                                                 sinks=a[3]), args, tangents)
-        _, t_expected = jax.jvp(dense, args, tangents)
         for g, e in zip(t_got, t_expected, strict=True):
             np.testing.assert_allclose(g, e, rtol=1e-10, atol=1e-12)
 
@@ -75,19 +92,23 @@ def test_gradients_and_tangents_in_float64():
 def test_sink_is_a_merged_part():
     """The sink is the part `(out = 0, lse = sink)`: the result without sinks, rescaled."""
     q, k, v, sinks = _inputs(4)
-    out, lse = eqx_flash.flash_attention(q, k, v, **BLOCKS)
+    out, lse = (np.asarray(x, np.float64) for x in eqx_flash.flash_attention(q, k, v, **BLOCKS))
     with_out, with_lse = eqx_flash.flash_attention(q, k, v, sinks=sinks, **BLOCKS)
-    expected_lse = jnp.logaddexp(lse, sinks[None, :, None])
+    expected_lse = np.logaddexp(lse, np.asarray(sinks, np.float64)[None, :, None])
     assert_lse_close(with_lse, expected_lse)
-    assert_close(with_out, out * jnp.exp(lse - expected_lse)[..., None])
+    assert_close(with_out, out * np.exp(lse - expected_lse)[..., None])
 
 
 def test_sink_gradient_keeps_its_shape_and_dtype_and_broadcasts():
     q, k, v, _ = _inputs(5)
-    for sinks in (jnp.zeros((H,), jnp.bfloat16), jnp.zeros((B, H)), jnp.zeros((1, H))):
-        grad = jax.grad(lambda s: eqx_flash.flash_attention(q, k, v, sinks=s)[0].sum())(sinks)
-        assert grad.shape == sinks.shape and grad.dtype == sinks.dtype
-        assert bool(jnp.all(jnp.isfinite(grad)))
+    shapes = ((H,), (B, H), (1, H))
+    sinks = (jnp.zeros(shapes[0], jnp.bfloat16), jnp.zeros(shapes[1]), jnp.zeros(shapes[2]))
+    grads = jax.jit(lambda sinks: [jax.grad(  # the three in one program
+        lambda s: eqx_flash.flash_attention(q, k, v, sinks=s)[0].sum())(s) for s in sinks])(
+        sinks)
+    for s, grad in zip(sinks, grads, strict=True):
+        assert grad.shape == s.shape and grad.dtype == s.dtype
+        assert np.all(np.isfinite(np.asarray(grad, np.float32)))
 
 
 @pytest.mark.parametrize("sinks, match", [
@@ -111,11 +132,16 @@ def test_sinks_broadcastable_to_batch_heads_are_taken(shape):
     q, k, v, _ = _inputs(8)
     sinks = jnp.asarray(np.random.default_rng(8).standard_normal(shape), jnp.float32)
     expected_out, expected_lse, _ = oracle_attention(q, k, v, causal=True, sinks=sinks)
-    for fn in (eqx_flash.flash_attention, eqx_flash.plain_attention):
-        out, lse = fn(q, k, v, causal=True, sinks=sinks)
+
+    @jax.jit  # both functions' values and sink gradients in one program
+    def results(sinks):
+        return [(fn(q, k, v, causal=True, sinks=sinks), jax.grad(
+                    lambda s, fn=fn: fn(q, k, v, causal=True, sinks=s)[1].sum())(sinks))
+                for fn in (eqx_flash.flash_attention, eqx_flash.plain_attention)]
+
+    for (out, lse), grad in results(sinks):
         assert_close(out, expected_out)
         assert_lse_close(lse, expected_lse)
-        grad = jax.grad(lambda s, fn=fn: fn(q, k, v, causal=True, sinks=s)[1].sum())(sinks)
         assert grad.shape == shape
         # d sum(lse) / d sink = sum over the rows it joins of exp(sink - lse)
         weight = np.exp(np.broadcast_to(np.asarray(sinks, np.float64)[..., None],
@@ -147,26 +173,29 @@ def test_modules_train_their_sinks():
     mha = eqx_flash.FlashMultiheadAttention(H, 16, num_kv_heads=KH, causal=True,
                                             use_sinks=True, key=jax.random.key(0))
     assert mha.sinks is not None and mha.sinks.shape == (H,)
-    x = jax.random.normal(jax.random.key(1), (SQ, 16))
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((SQ, 16)), jnp.float32)
+    heads = jnp.asarray(np.random.default_rng(2).standard_normal((H, SQ, D)), jnp.float32)
 
-    @eqx.filter_grad
-    def grad(m):
-        return jnp.sum(m(x, x, x) ** 2)
+    @eqx.filter_jit  # every call below in one program
+    def outputs(mha):
+        grad = eqx.filter_grad(lambda m: jnp.sum(m(x, x, x) ** 2))(mha)
+        # A trained sink changes the output, and decode with a cache uses it too.
+        mha = eqx.tree_at(lambda m: m.sinks, mha, jnp.linspace(-1.0, 2.0, H))
+        full = mha(x, x, x)
+        cache = mha.init_cache(SQ)
+        prefix, cache = mha.decode(x[:10], cache)
+        step, cache = mha.decode(x[10:], cache)
+        no_sinks = eqx.tree_at(lambda m: m.sinks, mha, None)(x, x, x)  # the same weights
+        # FlashAttention takes them per call.
+        module = eqx_flash.FlashAttention()(heads, heads, heads, sinks=mha.sinks)
+        direct = eqx_flash.flash_attention(heads, heads, heads, sinks=mha.sinks)[0]
+        return grad.sinks, full, jnp.concatenate([prefix, step]), no_sinks, module, direct
 
-    assert bool(jnp.any(grad(mha).sinks != 0))
-    # A trained sink changes the output, and decode with a cache uses it too.
-    mha = eqx.tree_at(lambda m: m.sinks, mha, jnp.linspace(-1.0, 2.0, H))
-    full = mha(x, x, x)
-    cache = mha.init_cache(SQ)
-    prefix, cache = mha.decode(x[:10], cache)
-    step, cache = mha.decode(x[10:], cache)
-    assert_close(jnp.concatenate([prefix, step]), full, scale=5.0)
-    assert float(jnp.abs(full - mha.from_eqx(eqx.nn.MultiheadAttention(
-        H, 16, key=jax.random.key(0)), causal=True)(x, x, x)).max()) > 0  # sinks matter
-    # FlashAttention takes them per call.
-    heads = jax.random.normal(jax.random.key(2), (H, SQ, D))
-    out = eqx_flash.FlashAttention()(heads, heads, heads, sinks=mha.sinks)
-    assert_close(out, eqx_flash.flash_attention(heads, heads, heads, sinks=mha.sinks)[0])
+    d_sinks, full, decoded, no_sinks, module, direct = jax.tree.map(np.asarray, outputs(mha))
+    assert np.any(d_sinks != 0)
+    assert_close(decoded, full, scale=5.0)
+    assert float(np.abs(full - no_sinks).max()) > 0  # sinks matter
+    assert_close(module, direct)
 
 
 def test_from_eqx_with_sinks_starts_at_zero():
@@ -175,7 +204,7 @@ def test_from_eqx_with_sinks_starts_at_zero():
     np.testing.assert_array_equal(np.asarray(flash.sinks), 0.0)
 
 
-@examples(15)
+@examples(10)
 @given(attention_inputs(sinks=True, alibi=None, bias=None, lengths=None, max_seq=64))
 def test_property_flash_against_plain_with_sinks(inputs):
     check_attention(eqx_flash.flash_attention, inputs, jvp=True)
@@ -184,11 +213,9 @@ def test_property_flash_against_plain_with_sinks(inputs):
 def test_ring_and_sharded_count_the_sink_once():
     from jax.sharding import Mesh, PartitionSpec
 
-    q, k, v, sinks = _inputs(7)
-    q, k, v = q[..., :16, :], k[..., :16, :], v[..., :16, :]
+    q, k, v, sinks = _sliced(7)
     mesh = Mesh(np.array(jax.devices()[:1]), ("seq",))
     seq = PartitionSpec(None, None, "seq")
-    expected = eqx_flash.flash_attention(q, k, v, causal=True, sinks=sinks)
 
     def ring(q, k, v, sinks):
         return eqx_flash.ring_flash_attention(q, k, v, axis_name="seq", causal=True,
@@ -196,18 +223,25 @@ def test_ring_and_sharded_count_the_sink_once():
 
     mapped = jax.shard_map(ring, mesh=mesh, in_specs=(seq, seq, seq, PartitionSpec()),
                            out_specs=(seq, seq))
-    sharded = eqx_flash.sharded_flash_attention(q, k, v, mesh=mesh, seq_axis="seq",
-                                                causal=True, sinks=sinks)
-    for out, lse in (mapped(q, k, v, sinks), sharded):
-        assert_close(out, expected[0])
-        assert_lse_close(lse, expected[1])
+
+    def flash(q, k, v, s):
+        return eqx_flash.flash_attention(q, k, v, causal=True, sinks=s)
 
     def loss(fn):
         return lambda s: jnp.sum(fn(q, k, v, s)[0]) + jnp.sum(fn(q, k, v, s)[1])
 
-    flash_grad = jax.grad(loss(lambda q, k, v, s: eqx_flash.flash_attention(
-        q, k, v, causal=True, sinks=s)))(sinks)
-    assert_close(jax.grad(loss(mapped))(sinks), flash_grad, kind="grad")
+    @jax.jit  # the ring, sharded and flash_attention, values and sink gradients, at once
+    def results(sinks):
+        sharded = eqx_flash.sharded_flash_attention(q, k, v, mesh=mesh, seq_axis="seq",
+                                                    causal=True, sinks=sinks)
+        return (mapped(q, k, v, sinks), sharded, flash(q, k, v, sinks),
+                jax.grad(loss(mapped))(sinks), jax.grad(loss(flash))(sinks))
+
+    on_ring, sharded, expected, ring_grad, flash_grad = results(sinks)
+    for out, lse in (on_ring, sharded):
+        assert_close(out, expected[0])
+        assert_lse_close(lse, expected[1])
+    assert_close(ring_grad, flash_grad, kind="grad")
 
 
 def test_broadcast_sinks_on_the_ring_strategies_and_modules():
@@ -216,22 +250,27 @@ def test_broadcast_sinks_on_the_ring_strategies_and_modules():
     (the 4-device check `ring_user_shard_map_vma` takes `(batch, 1)` on the ring)."""
     from jax.sharding import Mesh, PartitionSpec
 
-    q, k, v, _ = _inputs(9)
-    q, k, v = q[..., :16, :], k[..., :16, :], v[..., :16, :]
+    q, k, v, _ = _sliced(9)
     sinks = jnp.float32(0.7)
     mesh = Mesh(np.array(jax.devices()[:1]), ("seq",))
     seq = PartitionSpec(None, None, "seq")
-    expected = eqx_flash.flash_attention(q, k, v, causal=True, sinks=sinks)
     ring = jax.shard_map(
         lambda q, k, v, s: eqx_flash.ring_flash_attention(q, k, v, axis_name="seq",
                                                           causal=True, sinks=s),
         mesh=mesh, in_specs=(seq, seq, seq, PartitionSpec()), out_specs=(seq, seq))
-    got = [ring(q, k, v, sinks)]
-    got += [eqx_flash.sharded_flash_attention(q, k, v, mesh=mesh, seq_axis="seq", causal=True,
-                                              sinks=sinks, strategy=strategy)
-            for strategy in ("ring", "ulysses", "all_gather")]
     module = eqx_flash.FlashAttention(causal=True)
-    got.append((jax.vmap(lambda q, k, v: module(q, k, v, sinks=sinks))(q, k, v), expected[1]))
+
+    @jax.jit  # flash_attention, the ring, the strategies and the module in one program
+    def results(q, k, v, sinks):
+        expected = eqx_flash.flash_attention(q, k, v, causal=True, sinks=sinks)
+        module_out = jax.vmap(lambda q, k, v: module(q, k, v, sinks=sinks))(q, k, v)
+        got = [ring(q, k, v, sinks), (module_out, expected[1])]
+        got += [eqx_flash.sharded_flash_attention(q, k, v, mesh=mesh, seq_axis="seq",
+                                                  causal=True, sinks=sinks, strategy=strategy)
+                for strategy in ("ring", "ulysses", "all_gather")]
+        return expected, got
+
+    expected, got = results(q, k, v, sinks)
     for out, lse in got:
         assert_close(out, expected[0])
         assert_lse_close(lse, expected[1])
