@@ -41,8 +41,9 @@ def tolerance(dtype=jnp.float32, kind: str = "out", scale: float = 1.0,
 
 
 def _host(x) -> np.ndarray:
-    wide = jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
-    return np.asarray(jnp.asarray(x, wide))
+    # Converted on the host: `jnp.asarray(x, dtype)` compiles a program per shape.
+    wide = np.float64 if jax.config.jax_enable_x64 else np.float32
+    return np.asarray(x).astype(wide)
 
 
 def assert_close(actual, expected, dtype=jnp.float32, scale=1.0, rtol_scale=1.0, kind="out",
@@ -50,7 +51,7 @@ def assert_close(actual, expected, dtype=jnp.float32, scale=1.0, rtol_scale=1.0,
     """Elementwise `|actual - expected| <= atol + rtol * |expected|` with the public
     tolerance of `dtype` (the dtype of the inputs) for `kind` ("out", "lse", "grad")."""
     a = _host(actual)
-    e = np.asarray(jnp.asarray(expected, a.dtype))
+    e = np.asarray(expected).astype(a.dtype)
     np.testing.assert_allclose(a, e, err_msg=name, **tolerance(dtype, kind, scale, rtol_scale))
 
 

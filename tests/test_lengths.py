@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, assert_lse_close, qkv, tolerance, values_and_grads
+from helpers import assert_close, assert_lse_close, qkv, values_and_grads
 
 import eqx_flash
 from eqx_flash import causal_flash_attention, flash_attention, plain_attention
@@ -20,13 +20,6 @@ def _qkv(seq_q, seq_k, seed=0, heads=H, kv_heads=KV):
 
 
 OPTIONS = [{}, {"causal": True}, {"window": (5, 3)}, {"causal": True, "window": 6}]
-
-
-def _close(actual, expected, scale=1.0):
-    """`helpers.assert_close` (float32) in NumPy alone: `jnp.asarray` of each NumPy slice
-    would compile a program for its shape."""
-    np.testing.assert_allclose(np.asarray(actual, np.float32), np.asarray(expected, np.float32),
-                               **tolerance(jnp.float32, scale=scale))
 
 
 # Causal or not, a window or not, and more keys than queries or fewer: every pair of these
@@ -88,10 +81,10 @@ def test_lengths_equal_unpadded_slices(options):
     for b in range(B):
         lq, lk = q_len[b], kv_len[b]
         (ref_out, ref_lse), refs = all_refs[b]
-        _close(out[b, :, :lq], ref_out)
+        assert_close(out[b, :, :lq], ref_out)
         assert_lse_close(lse[b, :, :lq], ref_lse)
         for g, r in zip((dq[b, :, :lq], dk[b, :, :lk], dv[b, :, :lk]), refs, strict=True):
-            _close(g, r, scale=5)
+            assert_close(g, r, scale=5)
         assert np.all(np.asarray(out[b, :, lq:]) == 0)
         assert np.all(np.isneginf(np.asarray(lse[b, :, lq:])))
         assert np.all(np.asarray(dq[b, :, lq:]) == 0)
@@ -161,7 +154,7 @@ def test_lengths_broadcast_jit_vmap():
     q4, k4, v4 = jax.device_put([np.asarray(x)[None] for x in (q, k, v)])  # (no eager op)
     out4 = flash_attention(q4, k4, v4, kv_lengths=jax.device_put(np.asarray(kv_len)[None]),
                            causal=True)[0]
-    _close(np.asarray(out4).reshape(ref.shape), ref)
+    assert_close(np.asarray(out4).reshape(ref.shape), ref)
 
 
 @pytest.mark.parametrize("fn", [flash_attention, plain_attention])

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_lse_close, examples, seeded_qkv, tolerance
+from helpers import assert_close, assert_lse_close, examples, seeded_qkv
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -49,13 +49,6 @@ def _value_row_tangent(inputs: AttentionInputs, kv_index: tuple[int, ...] | None
     return jax.device_put(tangent.astype(inputs.v.dtype))
 
 
-def _assert_close(actual, expected, kind="out"):
-    """`helpers.assert_close` (float32 tolerance) in NumPy alone: the subsets compared here
-    have data-dependent shapes, each of which `jnp.asarray` would compile a program for."""
-    np.testing.assert_allclose(np.asarray(actual, np.float32), np.asarray(expected, np.float32),
-                               **tolerance(jnp.float32, kind))
-
-
 def _with(x: jax.Array, index: tuple[int, ...], value: float) -> jax.Array:
     y = np.array(x)
     y[index] = value
@@ -69,7 +62,7 @@ def _assert_only_rows_nan(out, lse, clean, nan_rows, lse_nan: bool):
     clean_out, clean_lse = (np.asarray(x, np.float32) for x in clean)
     np.testing.assert_array_equal(np.isnan(out).any(-1), nan_rows, "rows with a NaN")
     np.testing.assert_array_equal(np.isnan(out).all(-1), nan_rows, "rows wholly NaN")
-    _assert_close(out[~nan_rows], clean_out[~nan_rows])
+    assert_close(out[~nan_rows], clean_out[~nan_rows])
     if lse_nan:
         np.testing.assert_array_equal(np.isnan(lse), nan_rows, "lse NaN")
         assert_lse_close(lse[~nan_rows], clean_lse[~nan_rows])
@@ -124,7 +117,7 @@ def test_property_a_nan_reaches_its_rows_and_an_infinity_as_in_the_reference(
     np.testing.assert_array_equal(np.isnan(out), np.isnan(ref_out))
     np.testing.assert_array_equal(np.isnan(lse), np.isnan(ref_lse))
     finite = ~np.isnan(np.asarray(ref_out)).any(-1)
-    _assert_close(np.asarray(out)[finite], np.asarray(ref_out)[finite])
+    assert_close(np.asarray(out)[finite], np.asarray(ref_out)[finite])
 
 
 # (Fixed cases in the diagonal block: `test_causal_tangent_reaches_only_later_rows`,
@@ -313,5 +306,5 @@ def test_causal_value_reaches_no_earlier_gradient():
         for g, want in zip(got, expected, strict=True):
             np.testing.assert_array_equal(np.isnan(g), np.isnan(want))
             finite = ~np.isnan(want)
-            _assert_close(g[finite], want[finite], kind="grad")
+            assert_close(g[finite], want[finite], kind="grad")
         assert np.isfinite(got[0][0, 0, :9]).all()
