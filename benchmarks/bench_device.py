@@ -19,8 +19,10 @@ name contains one of the given substrings):
   one more per family and feature (`eqx_flash[pallas_tpu]+alibi`: ALiBi's standard
   slopes, constants; `+dropout`: rate 0.1; `+bias`: a bias per head and pair, bf16,
   trained: fwd+bwd takes its gradient; `+softcap`: `softcap=30`; `+softcap_mod`: the
-  same cap written as a `score_mod`; `+window_mod`: a causal window of 1024 keys as a `mask_mod`, evaluated on
-  every block), for what the feature costs.
+  same cap written as a `score_mod`; `+window_mod`: a causal window of 1024 keys as a
+  `mask_mod`; `+doc_mod`: documents of 1024 tokens as a `mask_mod`, at 1024 x 1024 blocks,
+  1 - 1024 / seq of the block pairs empty), for what the feature costs (a mask_mod's block
+  summary drives the kernels' plan: the blocks it empties cost nothing).
 - `pallas flash bN`: `jax.experimental.pallas.ops.tpu.flash_attention` with every block
   size N of `--blocks` (k and v repeated to the query heads for GQA: it has none).
 - `splash bN`: `splash_attention.make_splash_mha` (a `CausalMask` or `FullMask` per head,
@@ -178,6 +180,7 @@ FEATURES: dict[str, Callable[[Config, int], dict[str, Any]]] = {
     "softcap": lambda config, seq: {"softcap": 30.0},
     "softcap_mod": lambda config, seq: {"score_mod": _softcap_mod},
     "window_mod": lambda config, seq: {"mask_mod": _window_mod},
+    "doc_mod": lambda config, seq: {"mask_mod": _doc_mod, "block_q": 1024, "block_k": 1024},
 }
 
 
@@ -187,6 +190,12 @@ def _softcap_mod(score, batch, head, q_idx, kv_idx):  # Gemma 2's soft cap, as a
 
 def _window_mod(batch, head, q_idx, kv_idx):  # a causal window of 1024 keys, as a mask_mod
     return (kv_idx <= q_idx) & (q_idx - kv_idx < 1024)
+
+
+def _doc_mod(batch, head, q_idx, kv_idx):  # documents of 1024 tokens (block-diagonal)
+    return q_idx // 1024 == kv_idx // 1024
+
+
 # Features whose array is trained: the array is an input of the timed program (after q, k, v),
 # and fwd+bwd takes its gradient too.
 TRAINED = {"bias"}

@@ -198,7 +198,16 @@ VARIANTS = {
     "whole rows": Tuning(partial_rows=None),
     "rows512": Tuning(partial_rows=512),
 }
-# `PLANS="1024x1024:default,2048x1024:whole rows"`: blocks and variant per kernel timed.
+# `PLANS="1024x1024:default,2048x1024:whole rows"`: blocks and variant per kernel timed; a
+# variant not named above is `Tuning` fields, e.g. "chunk=512/partial_rows=None".
+def variant(name):
+    if name in VARIANTS: return VARIANTS[name]
+    fields = {}
+    for item in name.split("/"):
+        key, value = item.split("=")
+        fields[key] = None if value == "None" else (value == "True" if value in ("True", "False") else int(value))
+    return Tuning(**fields)
+
 DEFAULT_PLANS = ("1024x512:base2 fused,1024x1024:base2 fused,2048x512:base2 fused,"
                  "2048x1024:base2 fused,1024x1024:natural,1024x1024:unfused,"
                  "1024x1024:prescale,1024x2048:chunk256,2048x1024:chunk256")
@@ -217,7 +226,7 @@ def tune():
             for blk, var in plans:
                 bq, bk = map(int, blk.split("x"))
                 if bq > seq or bk > seq: continue
-                cfg = cfg_of(seq, seq, bq, bk, causal, d); ops = Operands(); tun = VARIANTS[var]
+                cfg = cfg_of(seq, seq, bq, bk, causal, d); ops = Operands(); tun = variant(var)
                 fwd = jax.jit(lambda q, k, v, cfg=cfg, tun=tun: pf(cfg, q, k, v, ops, tun)[0])
                 fb = both(functools.partial(pf, tuning=tun), functools.partial(pb, tuning=tun), cfg, ops)
                 add(calls, meta, f"pallas {blk} {var} seq{seq} c{int(causal)} fwd", fwd, (q4, k4, v4), flops, budget)

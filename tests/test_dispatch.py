@@ -140,10 +140,10 @@ def test_second_order_hands_mosaic_kernels_to_the_xla_family():
 
 def test_none_passes_over_what_a_family_leaves_to_the_xla_kernels(monkeypatch):
     """Where the Pallas kernels come first (one TPU, simulated here), `kernels=None`
-    keeps the pure-JAX kernels for what the Pallas family covers but passes over
-    (`KernelFamily.passes_over`: a `mask_mod`, whose block summary only the pure-JAX
-    kernels skip by), and says why; asked for by name, the Pallas kernels run it. A bias
-    and an `attn_mask` (compiled and checked on a TPU) are the Pallas family's."""
+    takes them for a `mask_mod` (its block summary drives their plan), a bias, an
+    `attn_mask` and a `score_mod`; what a family covers but passes over
+    (`KernelFamily.passes_over`, a family's own choice) goes to the pure-JAX kernels
+    with the reason said, and asked for by name, the family runs it."""
     monkeypatch.setattr(dispatch, "default_order", lambda machine: ("pallas_tpu", "xla"))
 
     def window(b, h, i, j):
@@ -151,10 +151,15 @@ def test_none_passes_over_what_a_family_leaves_to_the_xla_kernels(monkeypatch):
 
     windowed = _call(mask_mod=window)
     assert dispatch.choose(_call()).family == "pallas_tpu"
+    assert dispatch.choose(windowed).family == "pallas_tpu"
+    for extra in (dict(bias=jnp.zeros((20, 28))), dict(attn_mask=jnp.ones((20, 28), bool)),
+                  dict(score_mod=lambda s, b, h, i, j: s - 0.1 * (i - j).astype(s.dtype))):
+        assert dispatch.choose(_call(**extra)).family == "pallas_tpu", extra
+    pallas = dispatch.FAMILIES["pallas_tpu"]
+    monkeypatch.setitem(dispatch.FAMILIES, "pallas_tpu", pallas._replace(
+        passes_over=lambda call: "a mask_mod" if call.mask_mod is not None else None))
+    assert dispatch.choose(_call()).family == "pallas_tpu"
     assert dispatch.choose(windowed).family == "xla"
     assert dispatch.choose(windowed, "pallas_tpu").family == "pallas_tpu"
     family, reason = dispatch.why(windowed)
     assert family == "xla" and "mask_mod" in reason and "kernels='pallas_tpu'" in reason
-    for extra in (dict(bias=jnp.zeros((20, 28))), dict(attn_mask=jnp.ones((20, 28), bool)),
-                  dict(score_mod=lambda s, b, h, i, j: s - 0.1 * (i - j).astype(s.dtype))):
-        assert dispatch.choose(_call(**extra)).family == "pallas_tpu", extra

@@ -120,13 +120,13 @@ def test_bias_and_pair_masks_lower_to_mosaic_kernels(blocks):
 @pytest.mark.parametrize("blocks", [BLOCKS, {}], ids=["blocks 64x128", "default blocks"])
 def test_score_and_mask_mods_lower_to_mosaic_kernels(blocks):
     """A `score_mod` and a `mask_mod` (elementwise, holding no arrays) run inside the
-    kernels: the gradient exports to exactly two Mosaic kernels (the forward and the
-    fused backward), the jvp to one, for GQA in float32 and bfloat16, with a soft cap and
-    causal too."""
+    kernels, the mask_mod's block summary narrowing their plan: the gradient exports to
+    exactly two Mosaic kernels (the forward and the fused backward), the jvp to one, for
+    GQA in float32 and bfloat16, with a soft cap and causal too."""
     for dtype in (jnp.float32, jnp.bfloat16):
         q = jax.ShapeDtypeStruct((2, 4, 160, 64), dtype)
         kv = jax.ShapeDtypeStruct((2, 2, 300, 64), dtype)
-        for options in (dict(score_mod=capped_distance),
+        for options in (dict(score_mod=capped_distance), dict(mask_mod=sliding_prefix),
                         dict(score_mod=capped_distance, mask_mod=sliding_prefix, causal=True,
                              softcap=30.0)):
             flash = functools.partial(flash_attention, **PALLAS, **blocks, **options)

@@ -11,6 +11,7 @@ the tangent kernel and whose transpose, for reverse mode, the backward kernel. T
 kernels see only padded arrays in the internal layout (`_kernels.contract`).
 """
 
+import contextlib
 import dataclasses
 import functools
 from typing import Any, cast
@@ -57,8 +58,20 @@ from .._core.types import (
     WindowLike,
 )
 from .._kernels.contract import Call
-from .._kernels.dispatch import choose, forward, reads_block_flags
-from .._mods.block_mask import BlockMask, block_flags_for, derived_flags
+from .._kernels.dispatch import (
+    choose,
+    coarsens_block_mask,
+    forward,
+    plans_when_traced,
+    reads_block_flags,
+)
+from .._mods.block_mask import (
+    BlockMask,
+    KnownSummary,
+    block_flags_for,
+    coarsened,
+    derived_flags,
+)
 from .._mods.tracing import trace_mods, varying_axes_of
 from .._semantics.masking import valid_rows
 from .._semantics.softmax import with_sink
@@ -74,7 +87,9 @@ def call_of(bound: Bound, shapes: Shapes | None = None) -> Call:
     """`bound` as the kernel choice sees it (`_kernels.dispatch.choose`), on problem
     `shapes` (default: `bound`'s)."""
     return Call(bound.options, bound.shapes if shapes is None else shapes, bound.q.dtype,
-                bound.operands, bound.score_mod, bound.mask_mod, bound.block_mask is not None)
+                bound.operands, bound.score_mod, bound.mask_mod,
+                None if bound.block_mask is None else (bound.block_mask.block_q,
+                                                      bound.block_mask.block_k))
 
 
 def prepare_kernels(bound: Bound) -> tuple[KernelConfig, Operands]:
@@ -88,11 +103,23 @@ def prepare_kernels(bound: Bound) -> tuple[KernelConfig, Operands]:
                                varying_axes_of((bound.q, bound.k, bound.v, ops)))
     ops = combine(ops, mod_ops)
     if bound.block_mask is not None:
-        ops = replace(ops, block_flags=block_flags_for(
+        # A family with larger blocks than the summary's (multiples of them) reads it
+        # coarsened (`covers` and `configure` saw its blocks).
+        built = bound.block_mask.block_q, bound.block_mask.block_k
+        takes_finer = built != (cfg.block_q, cfg.block_k) and coarsens_block_mask(cfg)
+        ops = replace(ops, block_flags=coarsened(block_flags_for(
+            bound.block_mask, bound.mask_mod, shapes, *built), shapes, *built,
+            cfg.block_q, cfg.block_k) if takes_finer else block_flags_for(
             bound.block_mask, bound.mask_mod, shapes, cfg.block_q, cfg.block_k))
     elif bound.mask_mod is not None and reads_block_flags(cfg):
-        ops = replace(ops, block_flags=derived_flags(
-            bound.mask_mod, shapes, cfg.block_q, cfg.block_k))
+        # A family that plans its grid when traced runs only mask_mods of the indices
+        # alone (no arrays, none closed over): their summary is evaluated now, known.
+        with (jax.ensure_compile_time_eval() if plans_when_traced(cfg)
+              else contextlib.nullcontext()):
+            ops = replace(ops, block_flags=derived_flags(
+                bound.mask_mod, shapes, cfg.block_q, cfg.block_k))
+    if plans_when_traced(cfg):
+        cfg = dataclasses.replace(cfg, block_summary=KnownSummary.of(ops.block_flags))
     return dataclasses.replace(cfg, mods=mods), ops
 
 

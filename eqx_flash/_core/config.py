@@ -103,6 +103,9 @@ class KernelConfig:
     # The dtype q, k, v are cast to for the kernels (`_kernels.xla.policy.kernel_dtype`);
     # None: the inputs' own.
     compute_dtype: Any = None
+    # A `mask_mod`'s block summary where it is known when traced and the family plans its
+    # grid by it then (`_mods.block_mask.KnownSummary`); None otherwise.
+    block_summary: Any = None
 
     @property
     def split_k(self) -> bool:

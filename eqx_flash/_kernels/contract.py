@@ -90,7 +90,8 @@ class Call(NamedTuple):
     ops: Operands  # unpadded, internal layout (their presence and shapes; no values)
     score_mod: Callable[..., Any] | None  # the user's `score_mod`, if given
     mask_mod: Callable[..., Any] | None  # the user's `mask_mod`, if given
-    block_mask: bool = False  # a `block_mask` was given
+    # A `block_mask`'s `(block_q, block_k)`, the blocks it summarises, where one was given.
+    block_mask: tuple[int, int] | None = None
     # The kernels see pieces of a longer sequence (the ring's), whose indices a
     # score_mod/mask_mod must see as the whole sequence's (`ops.q_index`, at run time).
     pieces: bool = False
@@ -175,6 +176,12 @@ class KernelFamily(NamedTuple):
     # Whether its kernels read a `mask_mod`'s block summary (`ops.block_flags`), which
     # is derived for them (a pass over every pair) where the call gives no `block_mask`.
     reads_block_flags: bool = True
+    # Whether it reads a `block_mask` built at blocks that divide its own, coarsened
+    # (`_mods.block_mask.coarsened`); else a `block_mask` must be built at its blocks.
+    coarsens_block_mask: bool = False
+    # Whether its grid is fixed when traced, so that a block summary known then
+    # (`KernelConfig.block_summary`) shrinks it.
+    plans_when_traced: bool = False
 
 
 class Kernels(NamedTuple):

@@ -121,6 +121,18 @@ def reads_block_flags(cfg: KernelConfig) -> bool:
     return FAMILIES[cfg.family].reads_block_flags
 
 
+def coarsens_block_mask(cfg: KernelConfig) -> bool:
+    """Whether the family `cfg` records reads a `block_mask` built at smaller blocks than
+    its own (which divide them), coarsened."""
+    return FAMILIES[cfg.family].coarsens_block_mask
+
+
+def plans_when_traced(cfg: KernelConfig) -> bool:
+    """Whether the family `cfg` records plans its grid by a block summary known when
+    traced (`KernelConfig.block_summary`)."""
+    return FAMILIES[cfg.family].plans_when_traced
+
+
 def family_of(cfg: KernelConfig) -> Kernels:
     """The kernels of the family `cfg` records, the xla family's where it has none."""
     family, xla = FAMILIES[cfg.family], _xla()

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Int8
 
 from .._core.config import choose_block, default_blocks
@@ -187,6 +188,49 @@ def block_flags_for(
             f"make_block_mask(mask_mod, {shapes.batch_shape}, {shapes.heads}, ...)"
         )
     return _internal(block_mask.flags, built_batch, block_mask.heads, shapes)
+
+
+def coarsened(flags: Array, shapes: Shapes, block_q: int, block_k: int, to_q: int,
+              to_k: int) -> Array:
+    """Flags in the internal layout (`block_flags_for`) for blocks `(block_q, block_k)`,
+    summarised for blocks `(to_q, to_k)`, multiples of them: a block is empty where all of
+    its smaller blocks are, full where all are (blocks past the sequence hold no pair)."""
+    assert to_q % block_q == 0 and to_k % block_k == 0, (block_q, block_k, to_q, to_k)
+    fq, fk = to_q // block_q, to_k // block_k
+    nq, nk = ceil_div(shapes.seq_q, to_q), ceil_div(shapes.seq_k, to_k)
+    *lead, nq_fine, nk_fine = flags.shape
+    pad = [(0, 0)] * len(lead) + [(0, nq * fq - nq_fine), (0, nk * fk - nk_fine)]
+    some = jnp.pad(flags != EMPTY, pad, constant_values=False)
+    every = jnp.pad(flags == FULL, pad, constant_values=True)
+    axes = (-3, -1)
+    some = some.reshape(*lead, nq, fq, nk, fk).any(axis=axes)
+    every = every.reshape(*lead, nq, fq, nk, fk).all(axis=axes)
+    return jnp.where(some, jnp.where(every, FULL, PARTIAL), EMPTY).astype(jnp.int8)
+
+
+class KnownSummary:
+    """A block summary known when traced (NumPy flags, internal layout), hashable by
+    value, for `KernelConfig.block_summary`."""
+
+    def __init__(self, flags: np.ndarray):
+        self.flags = np.asarray(flags, np.int8)
+        self._key = (self.flags.shape, self.flags.tobytes())
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, KnownSummary) and self._key == other._key
+
+    @classmethod
+    def of(cls, flags: Any) -> "KnownSummary | None":
+        """`flags` as a known summary, or None where they are traced."""
+        if flags is None:
+            return None
+        try:
+            return cls(np.asarray(flags))
+        except jax.errors.TracerArrayConversionError:
+            return None
 
 
 def _dependence(mask_mod: Any, shapes: Shapes, block_q: int, block_k: int

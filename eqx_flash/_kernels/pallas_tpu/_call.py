@@ -51,7 +51,7 @@ def planned_call(kernel: Callable[..., None], *, plan: Plan, operands: BlockOper
             grid_spec=pltpu.PrefetchScalarGridSpec(
                 num_scalar_prefetch=2 + len(operands.scalar_tables),
                 grid=grid,
-                in_specs=[*in_specs, *operands.block_specs(*blocks),
+                in_specs=[*in_specs, *operands.block_specs(*blocks, plan.layout.at),
                           *(pl.BlockSpec(memory_space=pl.ANY) for _ in zeros)],
                 out_specs=list(out_specs),
                 scratch_shapes=list(scratch),
@@ -62,7 +62,7 @@ def planned_call(kernel: Callable[..., None], *, plan: Plan, operands: BlockOper
                                                  vmem_limit_bytes=limit),
             interpret=interpret,
             name=name,
-        )(jnp.asarray(plan.kv_block), jnp.asarray(plan.flag), *operands.scalar_tables,
+        )(*plan.tables(), *operands.scalar_tables,
           *inputs, *operands.block_arrays, *zeros)
         return list(results)
 

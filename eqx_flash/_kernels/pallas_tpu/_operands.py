@@ -24,7 +24,7 @@ Pallas kernels, the XLA kernels and the reference agree on what attends.
 """
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -100,11 +100,13 @@ class BlockOperands:
     pairs: tuple[_Pairs, ...] = ()
     bias_units: float = 1.0  # the bias in the logits' units before the cap
 
-    def block_specs(self, block_q: int, block_k: int) -> list[pl.BlockSpec]:
+    def block_specs(self, block_q: int, block_k: int, at: Callable[..., Any]
+                    ) -> list[pl.BlockSpec]:
         """BlockSpecs for a grid `(batch, kv head, outer block, step)` whose first scalar
-        table is the plan's inner block per `(outer, step)`."""
-        return ([_spec(side, block_q, block_k, self.transposed) for side in self.sides]
-                + [_pair_spec(p, block_q, block_k, self.transposed) for p in self.pairs])
+        table is the plan's inner block, flat, at `at(batch, kv head, outer, step)`
+        (`_plan.Layout.at`)."""
+        return ([_spec(side, block_q, block_k, self.transposed, at) for side in self.sides]
+                + [_pair_spec(p, block_q, block_k, self.transposed, at) for p in self.pairs])
 
     def vmem_bytes(self, block_q: int, block_k: int) -> int:
         """The double-buffered VMEM of the per-pair blocks (the one-sided ones are small)."""
@@ -291,7 +293,8 @@ class BlockOperands:
         return mask
 
 
-def _spec(side: _Side, block_q: int, block_k: int, transposed: bool) -> pl.BlockSpec:
+def _spec(side: _Side, block_q: int, block_k: int, transposed: bool,
+          at: Callable[..., Any]) -> pl.BlockSpec:
     """Forward/dq grids step over key blocks (`plan[outer, step]`) for each query block;
     the dk/dv grid the other way round."""
     block = block_q if side.query else block_k
@@ -300,20 +303,22 @@ def _spec(side: _Side, block_q: int, block_k: int, transposed: bool) -> pl.Block
     moves = side.query == transposed  # this side's block follows the plan's table
 
     def index_map(bi, hi, outer, step, plan, *tables):
-        index = plan[outer, step] if moves else outer
+        index = plan[at(bi, hi, outer, step)] if moves else outer
         lead = (bi if side.batch else 0, hi if side.heads else 0, 0)
         return (*lead, index, 0) if side.rows else (*lead, index, 0, 0)
 
     return pl.BlockSpec(shape, index_map)
 
 
-def _pair_spec(pair: _Pairs, block_q: int, block_k: int, transposed: bool) -> pl.BlockSpec:
+def _pair_spec(pair: _Pairs, block_q: int, block_k: int, transposed: bool,
+               at: Callable[..., Any]) -> pl.BlockSpec:
     """A per-pair array's block at the step's `(query block, key block)`: the plan's
     inner block is the key block (forward, dq) or the query block (dk/dv)."""
     bq, bk = (block_q if pair.queries else 1), (block_k if pair.keys else 1)
 
     def index_map(bi, hi, outer, step, plan, *tables):
-        qb, kb = (plan[outer, step], outer) if transposed else (outer, plan[outer, step])
+        inner = plan[at(bi, hi, outer, step)]
+        qb, kb = (inner, outer) if transposed else (outer, inner)
         lead = (bi if pair.batch else 0, hi if pair.heads else 0, 0)
         qi, ki = (qb if pair.queries else 0), (kb if pair.keys else 0)
         return (*lead, qi, ki, 0) if transposed else (*lead, qi, ki)

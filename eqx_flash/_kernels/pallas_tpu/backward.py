@@ -31,7 +31,7 @@ from ..._core.config import KernelConfig, stat_dtype
 from ..._core.operands import Operands, differentiable_part, reduce_to
 from ._call import planned_call, split_refs
 from ._operands import SUBLANES, BlockOperands, lane_blocks, masks_some_pairs, prepare
-from ._plan import Plan, backward_plan, forward_plan
+from ._plan import Layout, Plan, backward_plan, forward_plan
 from ._platform import on_tpu_or_interpreted
 from ._tile import (
     DEFAULT_TUNING,
@@ -65,7 +65,7 @@ def backward(cfg: KernelConfig, q: Array, k: Array, v: Array, ops: Operands, lse
     slopes: summed per key block in the dk/dv kernel, added up here)."""
     stat = stat_dtype(q.dtype)
     u = units(cfg, q.dtype, tuning)
-    fwd_plan, bwd_plan = forward_plan(cfg), backward_plan(cfg)
+    fwd_plan, bwd_plan = forward_plan(cfg, ops.block_flags), backward_plan(cfg, ops.block_flags)
     masked = masks_some_pairs(cfg, ops, fwd_plan.any_partial)
     b, h, g, seq_q, d = q.shape
     q_in = _prepared_queries(q, u)
@@ -135,7 +135,8 @@ def _summed_to(x: Array, shape: tuple[int, ...]) -> Array:
 
 def _by_flag(flag, operands: BlockOperands, step) -> None:
     """`step(positional)` on the steps with a block: 2 whole by position, 1 partial (see
-    `_plan`); with data masks, one variant that reads the flag."""
+    `_plan`); with data masks, one variant that reads the flag. A listed plan's whole
+    block is whole by its `mask_mod`'s summary too: `positional=False` skips the mod."""
     if operands.masks_data:
         pl.when(flag != 0)(lambda: step(flag == 1))
     else:
@@ -152,14 +153,15 @@ def _dkv_call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units,
     b, h, g, seq_q, d = q.shape
     dv = v.shape[-1]
     bq, bk = cfg.block_q, cfg.block_k
-    num_k, steps = plan.kv_block.shape
+    num_k, steps = plan.layout.num_outer, plan.layout.steps
+    at = plan.layout.at
     stat = lse.dtype
 
     def q_map(bi, hi, j, s, q_block, *tables):
-        return bi, hi, 0, q_block[j, s], 0
+        return bi, hi, 0, q_block[at(bi, hi, j, s)], 0
 
     def row_map(bi, hi, j, s, q_block, *tables):
-        return bi, hi, 0, q_block[j, s], 0, 0
+        return bi, hi, 0, q_block[at(bi, hi, j, s)], 0, 0
 
     def kv_map(bi, hi, j, s, *tables):
         return bi, hi, j, 0
@@ -196,7 +198,8 @@ def _dkv_call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units,
                                       lambda bi, hi, j, s, *tables: (bi, hi, j, 0, 0, 0)))
         outputs.append(((b, h, num_k, g, 1, chunk), jnp.float32))
     kernel = functools.partial(_dkv_kernel, cfg=cfg, operands=operands, u=u, chunk=chunk,
-                               steps=steps, fused=fused, slopes=slopes)
+                               layout=plan.layout, listed=plan.listed, fused=fused,
+                               slopes=slopes)
     return planned_call(
         kernel, plan=plan, operands=operands, blocks=(bq, bk), grid=(b, h, num_k, steps),
         in_specs=in_specs,
@@ -207,7 +210,8 @@ def _dkv_call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units,
 
 
 def _dkv_kernel(q_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: BlockOperands,
-                u: Units, chunk: int, steps: int, fused: bool, slopes: bool):
+                u: Units, chunk: int, layout: Layout, listed: bool, fused: bool,
+                slopes: bool):
     tables, (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), operand_refs, rest = split_refs(
         refs, operands, 6)
     scratch = 3 if fused else 2  # the outputs come first, `ds_distance_ref` last of them
@@ -237,7 +241,7 @@ def _dkv_kernel(q_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: Block
         if ds_distance_ref is not None:
             ds_distance_ref[...] = jnp.zeros(ds_distance_ref.shape, ds_distance_ref.dtype)
 
-    flag, qb = flag_ref[j, s], q_block_ref[j, s]
+    flag, qb = flag_ref[layout.at(bi, hi, j, s)], q_block_ref[layout.at(bi, hi, j, s)]
 
     def step(positional):
         # (Tables read in the step, under its `pl.when`: inside a user's shard_map,
@@ -266,8 +270,9 @@ def _dkv_kernel(q_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: Block
                 mask = operands.mask(cfg, operand_refs, tables, bi, q_start,
                                      j * bk, (bk, chunk), positional, group,
                                      queries=queries)
-                mask = and_masks(mask, apply_mask_mod(cfg, bi, hi, g, q_start, j * bk,
-                                                      (bk, chunk), group))
+                if positional is not False or not listed:  # (see `_by_flag`)
+                    mask = and_masks(mask, apply_mask_mod(cfg, bi, hi, g, q_start, j * bk,
+                                                          (bk, chunk), group))
                 if mask is not None:
                     st = jnp.where(mask, st, -jnp.inf)
                 p = u.exp(st - lse_ref[group, 0:1, queries])
@@ -291,7 +296,7 @@ def _dkv_kernel(q_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: Block
 
     _by_flag(flag, operands, step)
 
-    @pl.when(s == steps - 1)
+    @pl.when(s == layout.steps - 1)
     def _finish():
         # dk of the natural logits `scale * q.k`: the queries carry `u.fold` of it.
         dk = dk_acc[...] * jnp.asarray(cfg.scale / u.fold, stat)
@@ -299,7 +304,7 @@ def _dkv_kernel(q_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: Block
         dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
     if fused:
-        @pl.when((j == num_k - 1) & (s == steps - 1))
+        @pl.when((j == num_k - 1) & (s == layout.steps - 1))
         def _finish_dq():
             dq = dq_acc[...] * jnp.asarray(cfg.scale, stat)
             dq_ref[...] = dq.astype(dq_ref.dtype)
@@ -308,8 +313,8 @@ def _dkv_kernel(q_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: Block
 # dq alone: per query block, its key blocks (the forward's plan).
 
 
-def _bias_cotangent(operands: BlockOperands, cfg: KernelConfig, b: int, h: int
-                    ) -> tuple[tuple[int | None, ...], Any, tuple[int, ...]]:
+def _bias_cotangent(operands: BlockOperands, cfg: KernelConfig, b: int, h: int,
+                    layout: Layout) -> tuple[tuple[int | None, ...], Any, tuple[int, ...]]:
     """Where the dq kernel writes a bias's cotangent (block shape, index map) and its
     shape: `(b, h, nq|1, nk|1, g|1, seq_q|1, seq_k|1)`, a block per step; along a
     sequence the bias broadcasts over, each block's sum on an axis of its own (`nq`,
@@ -320,7 +325,7 @@ def _bias_cotangent(operands: BlockOperands, cfg: KernelConfig, b: int, h: int
              pair.groups, seq_q if pair.queries else 1, seq_k if pair.keys else 1)
 
     def index_map(bi, hi, i, s, kv_block, *tables):
-        kb = kv_block[i, s]
+        kb = kv_block[layout.at(bi, hi, i, s)]
         q_at, k_at = (0, i) if pair.queries else (i, 0), (0, kb) if pair.keys else (kb, 0)
         return bi, hi, q_at[0], k_at[0], 0, q_at[1], k_at[1]
 
@@ -334,14 +339,15 @@ def _dq_call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units,
     b, h, g, seq_q, d = q.shape
     dv = v.shape[-1]
     bq, bk = cfg.block_q, cfg.block_k
-    num_q, steps = plan.kv_block.shape
+    num_q, steps = plan.layout.num_outer, plan.layout.steps
+    at = plan.layout.at
     stat = lse.dtype
 
     def q_map(bi, hi, i, s, *tables):
         return bi, hi, 0, i, 0
 
     def kv_map(bi, hi, i, s, kv_block, *tables):
-        return bi, hi, kv_block[i, s], 0
+        return bi, hi, kv_block[at(bi, hi, i, s)], 0
 
     columns = tuple(jnp.broadcast_to(x[..., None], (*x.shape, LANES)) for x in (lse, delta))
     in_specs = [
@@ -360,16 +366,15 @@ def _dq_call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units,
     outputs = [(q.shape, q.dtype)]
     zeroed: tuple[int, ...] = ()
     if d_bias_wanted:
-        block, index_map, shape = _bias_cotangent(operands, cfg, b, h)
+        block, index_map, shape = _bias_cotangent(operands, cfg, b, h, plan.layout)
         out_specs.append(pl.BlockSpec(block, index_map))
         outputs.append((shape, jnp.float32))
         blocks += 2 * 4 * int(np.prod([n for n in block if n is not None]))
         # Blocks of pairs the plan never visits (an empty band) stay zero.
-        num_k = cfg.padded_seq[1] // bk
-        if int(np.sum(plan.flag != 0)) < num_q * num_k:
+        if not plan.visits_every_pair:
             zeroed = (1,)
-    kernel = functools.partial(_dq_kernel, cfg=cfg, operands=operands, u=u, steps=steps,
-                               zeroed=len(zeroed))
+    kernel = functools.partial(_dq_kernel, cfg=cfg, operands=operands, u=u,
+                               layout=plan.layout, listed=plan.listed, zeroed=len(zeroed))
     results = planned_call(
         kernel, plan=plan, operands=operands, blocks=(bq, bk), grid=(b, h, num_q, steps),
         in_specs=in_specs, out_specs=out_specs, outputs=outputs,
@@ -381,7 +386,7 @@ def _dq_call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units,
 
 
 def _dq_kernel(kv_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: BlockOperands,
-               u: Units, steps: int, zeroed: int):
+               u: Units, layout: Layout, listed: bool, zeroed: int):
     tables, (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), operand_refs, rest = split_refs(
         refs, operands, 6)
     rest = rest[zeroed:]  # (the zero inputs behind the aliased outputs)
@@ -396,7 +401,7 @@ def _dq_kernel(kv_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: Block
     def _init():
         acc_ref[...] = jnp.zeros(acc_ref.shape, stat)
 
-    flag, kb = flag_ref[i, s], kv_block_ref[i, s]
+    flag, kb = flag_ref[layout.at(bi, hi, i, s)], kv_block_ref[layout.at(bi, hi, i, s)]
 
     if d_bias_ref is not None:
         @pl.when((s == 0) & (flag == 0))
@@ -415,7 +420,9 @@ def _dq_kernel(kv_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: Block
                               mod)
         mask = operands.mask(cfg, operand_refs, tables, bi, i * bq, kb * bk, (1, bq, bk),
                              positional)
-        mask = and_masks(mask, apply_mask_mod(cfg, bi, hi, g, i * bq, kb * bk, (rows, bk)))
+        if positional is not False or not listed:  # (see `_by_flag`)
+            mask = and_masks(mask, apply_mask_mod(cfg, bi, hi, g, i * bq, kb * bk,
+                                                  (rows, bk)))
         full_mask = None
         if mask is not None:
             full_mask = jnp.broadcast_to(mask, (g, bq, bk)).reshape(rows, bk)
@@ -436,7 +443,7 @@ def _dq_kernel(kv_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: Block
 
     _by_flag(flag, operands, step)
 
-    @pl.when(s == steps - 1)
+    @pl.when(s == layout.steps - 1)
     def _finish():
         dq = acc_ref[...] * jnp.asarray(cfg.scale, stat)
         dq_ref[...] = dq.reshape(g, bq, d).astype(dq_ref.dtype)

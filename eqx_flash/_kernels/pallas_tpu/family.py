@@ -22,7 +22,7 @@ from . import backward as _backward
 from . import forward as _forward
 from . import tangent as _tangent
 from ._tile_mods import uncovered
-from .policy import blocks
+from .policy import blocks, with_block_mask
 
 # Head dims the kernels take: a dim that is not a multiple of the 128 lanes is padded
 # with zeros up to one (64 runs as it is).
@@ -42,13 +42,14 @@ def configure(call: Call, machine: Machine, split_k: bool) -> KernelConfig:
 
 def covers(cfg: KernelConfig, call: Call) -> str | None:
     """None where the kernels run `call`, else what they lack."""
-    ops = call.ops
     mods = call.score_mod is not None or call.mask_mod is not None
     stat = stat_dtype(call.dtype)
     unsupported = [
         (cfg.split_k, "few queries against many keys (the xla family's split-K kernel)"),
-        (call.block_mask or ops.block_flags is not None,
-         "block_mask (a block summary driving the kernels' plan)"),
+        (call.block_mask is not None and with_block_mask(call, (cfg.block_q, cfg.block_k))
+         is None, f"a block_mask built at blocks {call.block_mask} (neither dividing the "
+         f"kernels' blocks {(cfg.block_q, cfg.block_k)} nor whole TPU tiles of 16 query "
+         "rows and 128 keys)"),
         (mods and call.pieces, "score_mod / mask_mod on the ring's pieces (global indices)"),
         (jnp.dtype(call.dtype) == jnp.float64, "float64 inputs (a TPU has no float64)"),
         (call.shapes.dim > MAX_DIM or call.shapes.dim_v > MAX_DIM,
@@ -60,16 +61,6 @@ def covers(cfg: KernelConfig, call: Call) -> str | None:
         uncovered("score_mod", call.score_mod, call.shapes.groups, stat),
         uncovered("mask_mod", call.mask_mod, call.shapes.groups, stat)) if reason is not None]
     return None if not reasons else "; ".join(reasons)
-
-
-def passes_over(call: Call) -> str | None:
-    """What the kernels cover but `kernels=None` leaves to the pure-JAX kernels: a
-    `mask_mod`, whose block summary lets those skip the blocks it empties and does not
-    yet drive this family's plan (every block the band leaves is computed here)."""
-    if call.mask_mod is not None:
-        return ("a mask_mod's block summary does not yet drive the Pallas kernels' plan; "
-                "the pure-JAX kernels skip the blocks it empties")
-    return None
 
 
 def _lanes(dim: int) -> int:
@@ -120,8 +111,9 @@ FAMILY = KernelFamily(
     forward_and_tangent=forward_and_tangent,
     configure=configure,
     differentiable=False,
-    passes_over=passes_over,
-    # A mask_mod is evaluated on every block the plan visits (its summary does not yet
-    # drive the plan).
-    reads_block_flags=False,
+    # A mask_mod's block summary narrows the plan (`_plan`): the blocks it empties are
+    # never visited; a user's `block_mask` at smaller blocks is read coarsened.
+    reads_block_flags=True,
+    coarsens_block_mask=True,
+    plans_when_traced=True,
 )

@@ -25,7 +25,7 @@ from ..._core.operands import Operands
 from ..._semantics.masking import window_overlap
 from ._call import planned_call, split_refs
 from ._operands import BlockOperands, masks_some_pairs, prepare
-from ._plan import Plan, forward_plan
+from ._plan import Layout, Plan, forward_plan
 from ._platform import on_tpu_or_interpreted
 from ._tile import (
     DEFAULT_TUNING,
@@ -52,11 +52,11 @@ def forward(cfg: KernelConfig, q: Array, k: Array, v: Array, ops: Operands,
     """`(out, lse, max_score)` as the XLA family's `forward`: q `(b, h, g, seq_q_pad, d)`,
     k `(b, h, seq_k_pad, d)`, v `(b, h, seq_k_pad, dv)`, padded to whole blocks of
     `cfg`; out in q's dtype, the statistics `(b, h, g, seq_q_pad)` float32."""
-    plan = forward_plan(cfg)
+    plan = forward_plan(cfg, ops.block_flags)
     masked = masks_some_pairs(cfg, ops, plan.any_partial)
     u = units(cfg, q.dtype, tuning)
     operands = prepare(cfg, ops, q.shape[:3], v if masked else None, term_units=u.before_cap)
-    call = functools.partial(_call, cfg, plan, operands, u, tuning.forward_chunk(cfg.block_k),
+    call = functools.partial(_call, cfg, plan, operands, u, tuning.forward_chunk(cfg),
                              tuning.partial_split(cfg.block_q))
     return on_tpu_or_interpreted(call, prepared_queries(q, u), k, v)
 
@@ -67,7 +67,8 @@ def _call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units,
     b, h, g, seq_q, d = q.shape
     seq_k, dv = k.shape[2], v.shape[-1]
     bq, bk = cfg.block_q, cfg.block_k
-    num_q, steps = plan.kv_block.shape
+    num_q, steps = plan.layout.num_outer, plan.layout.steps
+    at = plan.layout.at
     stat = stat_dtype(q.dtype)
     assert seq_q == num_q * bq and seq_k % bk == 0, (q.shape, k.shape, cfg)
 
@@ -75,7 +76,7 @@ def _call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units,
         return bi, hi, 0, i, 0
 
     def kv_map(bi, hi, i, s, kv_block, *tables):
-        return bi, hi, kv_block[i, s], 0
+        return bi, hi, kv_block[at(bi, hi, i, s)], 0
 
     in_specs = [
         pl.BlockSpec((None, None, g, bq, d), q_map),
@@ -93,7 +94,7 @@ def _call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units,
     scratch = [pltpu.VMEM((g, bq, LANES), stat), pltpu.VMEM((g, bq, LANES), stat),
                pltpu.VMEM((g, bq, dv), stat)]
     kernel = functools.partial(_kernel, cfg=cfg, operands=operands, u=u, chunk=chunk,
-                               split=split, steps=steps)
+                               split=split, layout=plan.layout, listed=plan.listed)
     out, lse, max_score = planned_call(
         kernel, plan=plan, operands=operands, blocks=(bq, bk), grid=(b, h, num_q, steps),
         in_specs=in_specs,
@@ -114,7 +115,7 @@ def _vmem_bytes(rows: int, bk: int, d: int, dv: int, dtype) -> int:
 
 
 def _kernel(kv_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: BlockOperands,
-            u: Units, chunk: int, split: int | None, steps: int):
+            u: Units, chunk: int, split: int | None, layout: Layout, listed: bool):
     tables, (q_ref, k_ref, v_ref), operand_refs, rest = split_refs(refs, operands, 3)
     o_ref, lse_ref, max_ref, m_scr, l_scr, acc_scr = rest
     bi, hi, i, s = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
@@ -125,12 +126,12 @@ def _kernel(kv_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: BlockOpe
         l_scr[...] = jnp.zeros(l_scr.shape, l_scr.dtype)
         acc_scr[...] = jnp.zeros(acc_scr.shape, acc_scr.dtype)
 
-    flag = flag_ref[i, s]
-    kb = kv_block_ref[i, s]
+    flag = flag_ref[layout.at(bi, hi, i, s)]
+    kb = kv_block_ref[layout.at(bi, hi, i, s)]
     step = functools.partial(
         _step, cfg=cfg, operands=operands, u=u, chunk=chunk, split=split, q_ref=q_ref,
         k_ref=k_ref, v_ref=v_ref, operand_refs=operand_refs, tables=tables, bi=bi, hi=hi,
-        qb=i, kb=kb, m_scr=m_scr, l_scr=l_scr, acc_scr=acc_scr)
+        qb=i, kb=kb, m_scr=m_scr, l_scr=l_scr, acc_scr=acc_scr, listed=listed)
     # 2: the block is whole by position (its data masks, if any, still apply);
     # 1: partial (needs the positional mask too); 0: no block at this step.
     if operands.masks_data and split is None:
@@ -140,14 +141,14 @@ def _kernel(kv_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: BlockOpe
         pl.when(flag == 2)(functools.partial(step, positional=False, flag=flag))
         pl.when(flag == 1)(functools.partial(step, positional=True, flag=flag))
 
-    @pl.when(s == steps - 1)
+    @pl.when(s == layout.steps - 1)
     def _finish():
         _write_finish(u, o_ref, lse_ref, max_ref, m_scr, l_scr, acc_scr)
 
 
 def _step(*, positional: bool | None, flag, cfg: KernelConfig, operands: BlockOperands,
           u: Units, chunk: int, split: int | None, q_ref, k_ref, v_ref, operand_refs,
-          tables, bi, hi, qb, kb, m_scr, l_scr, acc_scr):
+          tables, bi, hi, qb, kb, m_scr, l_scr, acc_scr, listed: bool):
     """Take key block `kb` into the running state of query block `qb`, `chunk` keys at
     a time. `positional`: whether the causal/window/padding mask applies (None: decided
     by `flag` at run time, when data masks apply anyway). A partial block with `split`
@@ -164,7 +165,8 @@ def _step(*, positional: bool | None, flag, cfg: KernelConfig, operands: BlockOp
     tile = functools.partial(
         _tile, cfg=cfg, operands=operands, u=u, q_ref=q_ref, k_ref=k_ref, v_ref=v_ref,
         operand_refs=operand_refs, tables=tables, bi=bi, hi=hi, q_block_start=qb * bq,
-        m_scr=m_scr, l_scr=l_scr, acc_scr=acc_scr, bad_block=bad_block)
+        m_scr=m_scr, l_scr=l_scr, acc_scr=acc_scr, bad_block=bad_block,
+        with_mask_mod=positional is not False or not listed)
     for c in range(bk // chunk):
         keys = pl.ds(c * chunk, chunk)
         k_start = kb * bk + c * chunk
@@ -184,9 +186,10 @@ def _step(*, positional: bool | None, flag, cfg: KernelConfig, operands: BlockOp
 
 def _tile(*, r0: int, n: int, keys, k_start, band: bool | Array, cfg: KernelConfig,
           operands: BlockOperands, u: Units, q_ref, k_ref, v_ref, operand_refs, tables, bi,
-          hi, q_block_start, m_scr, l_scr, acc_scr, bad_block) -> None:
+          hi, q_block_start, m_scr, l_scr, acc_scr, bad_block, with_mask_mod: bool) -> None:
     """The online-softmax update of rows `[r0, r0 + n)` of every folded query head by
-    the `keys` slice of the key block (starting at key `k_start`)."""
+    the `keys` slice of the key block (starting at key `k_start`); `with_mask_mod`: whether
+    the `mask_mod` applies (not on a block its summary fills)."""
     g, bq, d = q_ref.shape
     whole_rows = n == bq
     rows = slice(None) if whole_rows else pl.ds(r0, n)
@@ -210,7 +213,9 @@ def _tile(*, r0: int, n: int, keys, k_start, band: bool | Array, cfg: KernelConf
     mask = operands.mask(cfg, operand_refs, tables, bi, q_start, k_start,
                          (1, n, chunk), band, keys=keys,
                          queries=None if whole_rows else rows)
-    mask = and_masks(mask, apply_mask_mod(cfg, bi, hi, g, q_start, k_start, (g * n, chunk)))
+    if with_mask_mod:
+        mask = and_masks(mask, apply_mask_mod(cfg, bi, hi, g, q_start, k_start,
+                                              (g * n, chunk)))
     if mask is not None:
         s = jnp.where(mask, s.reshape(g, n, chunk), -jnp.inf).reshape(g * n, chunk)
     m_prev = m_scr[:, rows, :].reshape(g * n, LANES)

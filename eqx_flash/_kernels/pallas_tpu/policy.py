@@ -7,7 +7,8 @@ seq 4096, forward+backward 1.31x); with a causal/window band, 1024 x 1024 (large
 leave more of the masked triangle inside the diagonal blocks). The query heads of a kv
 head share a block's rows, so `block_q` shrinks with them. Explicit sizes are honoured,
 rounded up to the TPU's tiles (16 query rows, 128 keys), and every size is cut to the
-sequence.
+sequence. A `block_mask` built at blocks that divide these is read coarsened; one built at
+other blocks of whole tiles sets the blocks (`with_block_mask`).
 """
 
 from ..._core.config import KernelConfig
@@ -34,5 +35,18 @@ def blocks(call: Call, cfg: KernelConfig) -> tuple[int, int]:
     if options.block_k is not None:
         block_k = _up(options.block_k, KEY_TILE)
     del cfg
-    return (min(block_q, _up(shapes.seq_q, ROW_TILE)),
-            min(block_k, _up(shapes.seq_k, KEY_TILE)))
+    chosen = (min(block_q, _up(shapes.seq_q, ROW_TILE)), min(block_k, _up(shapes.seq_k, KEY_TILE)))
+    return with_block_mask(call, chosen) or chosen
+
+
+def with_block_mask(call: Call, chosen: tuple[int, int]) -> tuple[int, int] | None:
+    """The blocks for `call`'s `block_mask` (None without one, or where its blocks can be
+    neither coarsened to `chosen` nor taken as they are)."""
+    if call.block_mask is None:
+        return None
+    built_q, built_k = call.block_mask
+    if chosen[0] % built_q == 0 and chosen[1] % built_k == 0:
+        return chosen
+    if built_q % ROW_TILE == 0 and built_k % KEY_TILE == 0:
+        return built_q, built_k
+    return None

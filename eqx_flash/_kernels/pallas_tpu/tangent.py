@@ -21,7 +21,7 @@ from ..._core.config import KernelConfig, stat_dtype
 from ..._core.operands import Operands
 from ._call import planned_call, split_refs
 from ._operands import BlockOperands, masks_some_pairs, prepare
-from ._plan import Plan, forward_plan
+from ._plan import Layout, Plan, forward_plan
 from ._platform import on_tpu_or_interpreted
 from ._tile import (
     DEFAULT_TUNING,
@@ -50,7 +50,7 @@ def forward_and_tangent(cfg: KernelConfig, q: Array, k: Array, v: Array, ops: Op
     """The family contract's `forward_and_tangent`: `(out, lse, max_score, d_out,
     d_lse)` for tangents `dq`, `dk`, `dv` (None: zero) and `d_ops` (of the operands
     the family covers: ALiBi's slopes, a bias)."""
-    plan = forward_plan(cfg)
+    plan = forward_plan(cfg, ops.block_flags)
     masked = masks_some_pairs(cfg, ops, plan.any_partial)
     u = units(cfg, q.dtype, tuning)
     operands = prepare(cfg, ops, q.shape[:3], v if masked else None,
@@ -58,7 +58,7 @@ def forward_and_tangent(cfg: KernelConfig, q: Array, k: Array, v: Array, ops: Op
     has = (dq is not None, dk is not None, dv is not None)
     arrays = [prepared_queries(q, u), k, v] + [x for x in (dq, dk, dv) if x is not None]
     call = functools.partial(_call, cfg, plan, operands, u,
-                             tuning.forward_chunk(cfg.block_k), has)
+                             tuning.forward_chunk(cfg), has)
     return on_tpu_or_interpreted(call, *arrays)
 
 
@@ -67,14 +67,15 @@ def _call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units, chun
     b, h, g, seq_q, d = q.shape
     dv_dim = v.shape[-1]
     bq, bk = cfg.block_q, cfg.block_k
-    num_q, steps = plan.kv_block.shape
+    num_q, steps = plan.layout.num_outer, plan.layout.steps
+    at = plan.layout.at
     stat = stat_dtype(q.dtype)
 
     def q_map(bi, hi, i, s, *tables):
         return bi, hi, 0, i, 0
 
     def kv_map(bi, hi, i, s, kv_block, *tables):
-        return bi, hi, kv_block[i, s], 0
+        return bi, hi, kv_block[at(bi, hi, i, s)], 0
 
     tangent_specs = [spec for spec, present in zip(
         (pl.BlockSpec((None, None, g, bq, d), q_map), pl.BlockSpec((None, None, bk, d), kv_map),
@@ -98,7 +99,7 @@ def _call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units, chun
                pltpu.VMEM((rows, dv_dim), stat), pltpu.VMEM((rows, dv_dim), stat),
                pltpu.VMEM((rows, LANES), stat)]
     kernel = functools.partial(_kernel, cfg=cfg, operands=operands, u=u, chunk=chunk,
-                               steps=steps, has=has)
+                               layout=plan.layout, listed=plan.listed, has=has)
     out, lse, max_score, d_out, d_lse = planned_call(
         kernel, plan=plan, operands=operands, blocks=(bq, bk), grid=(b, h, num_q, steps),
         in_specs=in_specs,
@@ -110,7 +111,8 @@ def _call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units, chun
 
 
 def _kernel(kv_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: BlockOperands,
-            u: Units, chunk: int, steps: int, has: tuple[bool, bool, bool]):
+            u: Units, chunk: int, layout: Layout, listed: bool,
+            has: tuple[bool, bool, bool]):
     tables, inputs, operand_refs, rest = split_refs(refs, operands, 3 + sum(has))
     q_ref, k_ref, v_ref = inputs[:3]
     it = iter(inputs[3:])
@@ -128,7 +130,7 @@ def _kernel(kv_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: BlockOpe
         for ref in (l_scr, acc_scr, acc_t_scr, acc_ds_scr):
             ref[...] = jnp.zeros(ref.shape, stat)
 
-    flag, kb = flag_ref[i, s], kv_block_ref[i, s]
+    flag, kb = flag_ref[layout.at(bi, hi, i, s)], kv_block_ref[layout.at(bi, hi, i, s)]
 
     heads = pl.num_programs(1)
 
@@ -179,8 +181,9 @@ def _kernel(kv_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: BlockOpe
                 ds = ds * (1.0 - t * t)
             mask = operands.mask(cfg, operand_refs, tables, bi, i * bq, k_start,
                                  (1, bq, chunk), positional, keys=keys)
-            mask = and_masks(mask, apply_mask_mod(cfg, bi, hi, g, i * bq, k_start,
-                                                  (rows, chunk)))
+            if positional is not False or not listed:  # (not on a block the summary fills)
+                mask = and_masks(mask, apply_mask_mod(cfg, bi, hi, g, i * bq, k_start,
+                                                      (rows, chunk)))
             if mask is not None:
                 full = jnp.broadcast_to(mask, (g, bq, chunk)).reshape(rows, chunk)
                 sc = jnp.where(full, sc, -jnp.inf)
@@ -213,7 +216,7 @@ def _kernel(kv_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: BlockOpe
         pl.when(flag == 2)(lambda: step(False))
         pl.when(flag == 1)(lambda: step(True))
 
-    @pl.when(s == steps - 1)
+    @pl.when(s == layout.steps - 1)
     def _finish():
         _write_finish(u, o_ref, lse_ref, max_ref, m_scr, l_scr, acc_scr)
         total = l_scr[...]
