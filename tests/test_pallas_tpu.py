@@ -21,7 +21,7 @@ import eqx_flash
 from eqx_flash import flash_attention, plain_attention
 from eqx_flash._core.config import KernelConfig
 from eqx_flash._core.options import Window
-from eqx_flash._kernels.pallas_tpu._plan import backward_plan, forward_plan
+from eqx_flash._kernels.pallas_tpu._plan import FIRST, FLAG, LAST, backward_plan, forward_plan
 from eqx_flash._kernels.schedule import static_flags
 from eqx_flash._mods.block_mask import EMPTY, FULL, PARTIAL, KnownSummary
 
@@ -241,13 +241,16 @@ def test_which_mods_run_in_the_kernels():
 
 
 def test_a_block_summary_narrows_the_plan():
-    """A `mask_mod`'s block summary (here random, per batch element and kv head) narrows
-    the static plan: each query block visits, in order, exactly the key blocks that both
-    leave non-empty, flagged whole where both call them whole (neither mask evaluated
-    there); the padding steps repeat the last block with flag 0 (no DMA, no work). The
-    backward's plan is the transposed one. Known only at run time, the tables are built
-    in the program as wide as the static plan; known when traced, they are NumPy and as
-    wide as the widest row (the grid shrinks with the sparsity)."""
+    """The kernels' grid has a step per block pair they visit (`_plan`): each outer block's
+    steps in a run, the first and the last marked, visiting in order exactly the inner
+    blocks that the static band and a `mask_mod`'s block summary (here random, per batch
+    element and kv head) both leave non-empty, flagged whole where both call them whole
+    (neither mask evaluated there). An outer block with nothing to visit still gets one
+    step (flag 0) to write its results. Known only at run time, the summary's tables are
+    built in the program with the static band's steps per outer block, the steps it
+    empties last (flag 0, repeating the last block: no DMA, no work); known when traced,
+    they are NumPy with only the steps it leaves. The backward's plan is the transposed
+    one."""
     cfg = KernelConfig(seq_q=300, seq_k=500, block_q=64, block_k=128,
                        window=Window(None, 0), scale=1.0)  # causal, bottom-right
     summary = np.random.default_rng(0).integers(0, 3, (2, 3, 1, 5, 4)).astype(np.int8)
@@ -255,30 +258,38 @@ def test_a_block_summary_narrows_the_plan():
     static = static_flags(300, 500, 64, 128, cfg.band_window, cfg.offset)
     assert (static == EMPTY).any() and (static == FULL).any() and (static == PARTIAL).any()
     known = dataclasses.replace(cfg, block_summary=KnownSummary(summary))
-    plans = [(forward_plan(cfg, jnp.asarray(summary)), False, False),
+    plans = [(forward_plan(cfg), False, None), (backward_plan(cfg), True, None),
+             (forward_plan(cfg, jnp.asarray(summary)), False, False),
              (backward_plan(cfg, jnp.asarray(summary)), True, False),
              (forward_plan(known), False, True), (backward_plan(known), True, True)]
     for plan, by_key, when_traced in plans:
-        assert plan.listed and plan.static == when_traced and plan.layout[:2] == (2, 3)
-        blocks, flags = np.asarray(plan.kv_block), np.asarray(plan.flag)
+        summarised = when_traced is not None
+        assert plan.listed == summarised and plan.static != (when_traced is False)
+        assert plan.layout[:2] == ((2, 3) if summarised else (1, 1))
+        outer, inner, code = (np.asarray(x) for x in (plan.outer, plan.inner, plan.code))
         band = static.T if by_key else static
-        mine = np.swapaxes(summary[:, :, 0], -1, -2) if by_key else summary[:, :, 0]
-        visits = ((band != EMPTY) & (mine != EMPTY)).sum(axis=-1)
-        band_width = (band != EMPTY).sum(axis=-1).max()
-        assert visits.max() < band_width
-        assert plan.layout.steps == (visits.max() if when_traced else band_width)
-        for b, h in np.ndindex(2, 3):
-            mine = summary[b, h, 0].T if by_key else summary[b, h, 0]
+        mine = (np.swapaxes(summary[:, :, 0], -1, -2) if by_key else summary[:, :, 0]
+                ) if summarised else np.full((1, 1, *band.shape), FULL)
+        visits = (band != EMPTY) & (mine != EMPTY)
+        widths = np.maximum(visits.sum(axis=-1).max(axis=(0, 1)) if when_traced is not False
+                            else (band != EMPTY).sum(axis=-1), 1)
+        assert plan.layout.steps == widths.sum() < band.size
+        for b, h in np.ndindex(*plan.layout[:2]):
+            steps = 0
             for o in range(band.shape[0]):
-                visit = [j for j in range(band.shape[1])
-                         if band[o, j] != EMPTY and mine[o, j] != EMPTY]
+                run = slice(steps, steps + widths[o])
+                steps += widths[o]
+                assert (outer[b, h, run] == o).all()
+                marks = code[b, h, run] & (FIRST | LAST)
+                assert marks[0] & FIRST and marks[-1] & LAST and not (marks[1:] & FIRST).any()
+                visit = list(np.flatnonzero(visits[b, h, o]))
                 n = len(visit)
-                np.testing.assert_array_equal(blocks[b, h, o, :n], visit)
-                want = [FULL if band[o, j] == FULL and mine[o, j] == FULL else PARTIAL
+                np.testing.assert_array_equal(inner[b, h, run][:n], visit)
+                want = [FULL if band[o, j] == FULL and mine[b, h, o, j] == FULL else PARTIAL
                         for j in visit]
-                np.testing.assert_array_equal(flags[b, h, o, :n], want)
-                assert (flags[b, h, o, n:] == 0).all()
-                assert (blocks[b, h, o, n:] == (visit[-1] if visit else 0)).all()
+                np.testing.assert_array_equal(code[b, h, run][:n] & FLAG, want)
+                assert (code[b, h, run][n:] & FLAG == 0).all()
+                assert (inner[b, h, run][n:] == (visit[-1] if visit else 0)).all()
 
 
 def test_block_masks_in_the_kernels():

@@ -1,7 +1,8 @@
 """One `pallas_call` over a block plan, as every kernel of this family makes it.
 
-The grid is `(batch, kv head, outer block, step)`; the plan's tables (`kv_block` or
-`q_block`, and `flag`) and the operands' scalar tables are prefetched into SMEM, the
+The grid is `(batch, kv head, step)`, a step per block pair of the plan (`_plan`); the
+plan's tables (each step's outer block, inner block and code) and the operands' scalar
+tables are prefetched into SMEM, the
 operands' block arrays follow the kernel's own inputs, the outputs vary over the mesh
 axes the inputs vary over (inside a user's `shard_map` with `check_vma=True` a
 `pallas_call` must be told), and the scoped VMEM limit is raised to what the blocks need.
@@ -9,7 +10,7 @@ axes the inputs vary over (inside a user's `shard_map` with `check_vma=True` a
 """
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -18,19 +19,21 @@ from jaxtyping import Array
 
 from ..._core.compat import pcast_varying, varying_axes, varying_struct
 from ._operands import BlockOperands
-from ._plan import Plan
+from ._plan import FIRST, FLAG, LAST, Layout, Plan
 
 # The default scoped VMEM limit is smaller than large blocks need; v5e has 128 MiB.
 _MIN_VMEM, _MAX_VMEM = 32 * 2**20, 100 * 2**20
 
 
 def planned_call(kernel: Callable[..., None], *, plan: Plan, operands: BlockOperands,
-                 blocks: tuple[int, int], grid: tuple[int, ...], in_specs: Sequence[Any],
+                 blocks: tuple[int, int], heads: tuple[int, int], in_specs: Sequence[Any],
                  out_specs: Sequence[Any], outputs: Sequence[tuple[tuple[int, ...], Any]],
-                 scratch: Sequence[Any], semantics: tuple[Any, ...], vmem_bytes: int,
+                 scratch: Sequence[Any], vmem_bytes: int,
                  name: str, interpret: bool, zeroed: Sequence[int] = ()
                  ) -> Callable[..., list[Array]]:
-    """`pallas_call(kernel)` for `plan`'s grid, taking the kernel's inputs (`in_specs`;
+    """`pallas_call(kernel)` over `plan`'s steps for each of `heads = (batch, kv heads)`
+    (the steps in order: they carry an outer block's running state), taking the kernel's
+    inputs (`in_specs`;
     the operands' blocks of `blocks = (block_q, block_k)` follow) and returning its
     outputs (`outputs`: their shapes and dtypes); `vmem_bytes`: one step's estimate
     without the operands', doubled for room. The outputs numbered in `zeroed` start as
@@ -45,12 +48,12 @@ def planned_call(kernel: Callable[..., None], *, plan: Plan, operands: BlockOper
         zeros = [jnp.zeros(*outputs[n]) for n in zeroed]
         if axes:
             zeros = [pcast_varying(z, tuple(axes)) for z in zeros]
-        first = 2 + len(operands.scalar_tables) + len(inputs) + len(operands.block_arrays)
+        first = 3 + len(operands.scalar_tables) + len(inputs) + len(operands.block_arrays)
         results = pl.pallas_call(
             kernel,
             grid_spec=pltpu.PrefetchScalarGridSpec(
-                num_scalar_prefetch=2 + len(operands.scalar_tables),
-                grid=grid,
+                num_scalar_prefetch=3 + len(operands.scalar_tables),
+                grid=(*heads, plan.layout.steps),
                 in_specs=[*in_specs, *operands.block_specs(*blocks, plan.layout.at),
                           *(pl.BlockSpec(memory_space=pl.ANY) for _ in zeros)],
                 out_specs=list(out_specs),
@@ -58,8 +61,9 @@ def planned_call(kernel: Callable[..., None], *, plan: Plan, operands: BlockOper
             ),
             out_shape=[varying_struct(shape, dtype, axes) for shape, dtype in outputs],
             input_output_aliases={first + i: n for i, n in enumerate(zeroed)},
-            compiler_params=pltpu.CompilerParams(dimension_semantics=semantics,
-                                                 vmem_limit_bytes=limit),
+            compiler_params=pltpu.CompilerParams(
+                dimension_semantics=("parallel", "parallel", "arbitrary"),
+                vmem_limit_bytes=limit),
             interpret=interpret,
             name=name,
         )(*plan.tables(), *operands.scalar_tables,
@@ -69,9 +73,31 @@ def planned_call(kernel: Callable[..., None], *, plan: Plan, operands: BlockOper
     return call
 
 
+class Step(NamedTuple):
+    """One grid step of a plan, as a kernel reads it (`read_step`)."""
+
+    batch: Array  # the grid's batch element and kv head
+    head: Array
+    outer: Array  # the outer and the inner block of the pair
+    inner: Array
+    flag: Array  # 0 none, 1 partial, 2 whole (`_plan`)
+    first: Array  # the first step of its outer block: initialise its running state
+    last: Array  # the last: write it out
+    t: Array  # the step's index along the grid
+
+
+def read_step(layout: Layout, outer_ref, inner_ref, code_ref) -> Step:
+    """The current grid step of a plan of `layout` (the kernel's three table refs)."""
+    bi, hi, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    at = layout.at(bi, hi, t)
+    code = code_ref[at]
+    return Step(bi, hi, outer_ref[at], inner_ref[at], code & FLAG, (code & FIRST) != 0,
+                (code & LAST) != 0, t)
+
+
 def split_refs(refs: Sequence[Any], operands: BlockOperands, inputs: int
                ) -> tuple[Sequence[Any], Sequence[Any], Sequence[Any], Sequence[Any]]:
-    """A kernel's refs after the plan's two tables, in `planned_call`'s order: `(scalar
+    """A kernel's refs after the plan's three tables, in `planned_call`'s order: `(scalar
     tables, its `inputs` input refs, the operands' block refs, outputs and scratch)`."""
     n_tables, n_blocks = len(operands.scalar_tables), len(operands.block_arrays)
     tables, refs = refs[:n_tables], refs[n_tables:]

@@ -102,8 +102,8 @@ class BlockOperands:
 
     def block_specs(self, block_q: int, block_k: int, at: Callable[..., Any]
                     ) -> list[pl.BlockSpec]:
-        """BlockSpecs for a grid `(batch, kv head, outer block, step)` whose first scalar
-        table is the plan's inner block, flat, at `at(batch, kv head, outer, step)`
+        """BlockSpecs for a grid `(batch, kv head, step)` whose first scalar tables are the
+        plan's outer and inner blocks, flat, at `at(batch, kv head, step)`
         (`_plan.Layout.at`)."""
         return ([_spec(side, block_q, block_k, self.transposed, at) for side in self.sides]
                 + [_pair_spec(p, block_q, block_k, self.transposed, at) for p in self.pairs])
@@ -302,8 +302,8 @@ def _spec(side: _Side, block_q: int, block_k: int, transposed: bool,
         None, None, side.groups, None, SUBLANES, block)
     moves = side.query == transposed  # this side's block follows the plan's table
 
-    def index_map(bi, hi, outer, step, plan, *tables):
-        index = plan[at(bi, hi, outer, step)] if moves else outer
+    def index_map(bi, hi, t, outer, inner, code, *tables):
+        index = (inner if moves else outer)[at(bi, hi, t)]
         lead = (bi if side.batch else 0, hi if side.heads else 0, 0)
         return (*lead, index, 0) if side.rows else (*lead, index, 0, 0)
 
@@ -316,9 +316,9 @@ def _pair_spec(pair: _Pairs, block_q: int, block_k: int, transposed: bool,
     inner block is the key block (forward, dq) or the query block (dk/dv)."""
     bq, bk = (block_q if pair.queries else 1), (block_k if pair.keys else 1)
 
-    def index_map(bi, hi, outer, step, plan, *tables):
-        inner = plan[at(bi, hi, outer, step)]
-        qb, kb = (inner, outer) if transposed else (outer, inner)
+    def index_map(bi, hi, t, outer, inner, code, *tables):
+        o, i = outer[at(bi, hi, t)], inner[at(bi, hi, t)]
+        qb, kb = (i, o) if transposed else (o, i)
         lead = (bi if pair.batch else 0, hi if pair.heads else 0, 0)
         qi, ki = (qb if pair.queries else 0), (kb if pair.keys else 0)
         return (*lead, qi, ki, 0) if transposed else (*lead, qi, ki)

@@ -1,20 +1,24 @@
-"""The flat plans the Pallas kernels prefetch: per outer block, the inner blocks to visit.
+"""The flat plans the Pallas kernels prefetch: one grid step per block pair they visit.
 
 From the static block plan (`_kernels.schedule.static_flags`: causal, the window and key
-padding, the one statement of which block pairs are empty, partial or whole), a table
-per outer block of its non-empty inner blocks in order, each with its flag (splash
-attention's encoding): 0 no block at this step, 1 partial (the positional mask and the
-`mask_mod` apply), 2 whole. Rows shorter than the widest repeat their last block with
-flag 0: the grid step does nothing and, the block index unchanged, costs no DMA.
+padding, the one statement of which block pairs are empty, partial or whole), the grid's
+last axis walks every outer block's non-empty inner blocks in order, each step with its
+outer block, its inner block and a code: the flag (splash attention's encoding: 0 no
+block at this step, 1 partial, where the positional mask and the `mask_mod` apply, 2
+whole) and whether the step is the first (`FIRST`: initialise the outer block's running
+state) or the last (`LAST`: write it out) of its outer block. An outer block with no
+inner block gets one step with flag 0, so its results are written (0 and -inf). Only
+the non-empty pairs cost a grid step: a causal plan has about half the steps a padded
+`(outer, inner)` grid would.
 
-A `mask_mod`'s block summary narrows the static plan (`_listed`), one table per batch
-element and kv head where the summary varies over them: a block it empties is never
-visited; one it fills, whole by position too, skips both masks. Known when traced (a
-mask_mod of indices alone: `KernelConfig.block_summary`), the tables are NumPy and as
-wide as the widest row needs, so the grid shrinks with the sparsity; known only at run
-time (`ops.block_flags`, a `block_mask` passed into `jit`), they are built in the program,
-as wide as the static plan (the steps past a row's blocks do nothing and move nothing).
-The kernels read the tables flat (`Plan.at`), as SMEM holds them.
+A `mask_mod`'s block summary narrows the plan (`_listed`), one table per batch element and
+kv head where it varies over them: a block it empties is never visited; one it fills,
+whole by position too, skips both masks. Known when traced (a mask_mod of indices alone:
+`KernelConfig.block_summary`), the tables are NumPy with as many steps as the summary
+leaves; known only at run time (`ops.block_flags`, a `block_mask` passed into `jit`),
+they are built in the program with each outer block's steps of the static plan, those it
+empties flag 0, repeating the last block visited (no DMA, no work). The kernels read the
+tables flat (`Layout.at`), as SMEM holds them.
 """
 
 from typing import Any, NamedTuple
@@ -27,32 +31,35 @@ from ..._core.config import KernelConfig
 from ..._mods.block_mask import EMPTY, FULL, PARTIAL
 from ..schedule import static_flags
 
+FLAG, FIRST, LAST = 3, 4, 8  # a step's code: `code & FLAG` its flag, then two bits
+
 
 class Layout(NamedTuple):
-    """The tables' static shape: `[lead_b, lead_h, num_outer, steps]`, `lead_b`/`lead_h`
-    1 where the plan is the same for every batch element / kv head; `num_inner` inner
-    blocks in all."""
+    """The tables' static shape: `[lead_b, lead_h, steps]`, `lead_b`/`lead_h` 1 where the
+    plan is the same for every batch element / kv head, over `num_outer` outer and
+    `num_inner` inner blocks."""
 
     lead_b: int
     lead_h: int
-    num_outer: int
     steps: int
+    num_outer: int
     num_inner: int
 
-    def at(self, bi, hi, o, s):
-        """The flat index of step `s` of outer block `o` for batch element `bi`, kv head
-        `hi` (scalars of the grid)."""
+    def at(self, bi, hi, t):
+        """The flat index of step `t` for batch element `bi`, kv head `hi` (scalars of
+        the grid)."""
         b = bi if self.lead_b > 1 else 0
         h = hi if self.lead_h > 1 else 0
-        return ((b * self.lead_h + h) * self.num_outer + o) * self.steps + s
+        return (b * self.lead_h + h) * self.steps + t
 
 
 class Plan(NamedTuple):
-    """`int32` tables of `layout`'s shape: the inner block of each step, and its flag
-    (NumPy when static, traced arrays when a block summary narrows them)."""
+    """`int32` tables of `layout`'s shape: each step's outer block, inner block and code
+    (NumPy when static, traced arrays when a summary known at run time narrows them)."""
 
-    kv_block: np.ndarray | Array
-    flag: np.ndarray | Array
+    outer: np.ndarray | Array
+    inner: np.ndarray | Array
+    code: np.ndarray | Array
     layout: Layout
     # Whether a block summary narrowed the plan (then a whole block's `mask_mod` is not
     # evaluated).
@@ -60,63 +67,64 @@ class Plan(NamedTuple):
 
     @property
     def static(self) -> bool:
-        return isinstance(self.flag, np.ndarray)
+        return isinstance(self.code, np.ndarray)
 
     @property
     def any_partial(self) -> bool:
-        return not self.static or bool(np.any(self.flag == PARTIAL))
+        return not self.static or bool(np.any(np.asarray(self.code) & FLAG == PARTIAL))
 
     @property
     def visits_every_pair(self) -> bool:
         """Whether every block pair is visited (statically known)."""
         if not self.static:
             return False
-        return int(np.sum(self.flag != 0)) == (self.layout.lead_b * self.layout.lead_h
-                                               * self.layout.num_outer * self.layout.num_inner)
+        visited = int(np.sum(np.asarray(self.code) & FLAG != 0))
+        n = self.layout
+        return visited == n.lead_b * n.lead_h * n.num_outer * n.num_inner
 
-    def tables(self) -> tuple[Array, Array]:
+    def tables(self) -> tuple[Array, Array, Array]:
         """The tables as the kernels' scalar prefetch takes them: flat."""
-        return jnp.asarray(self.kv_block).reshape(-1), jnp.asarray(self.flag).reshape(-1)
+        def flat(x: np.ndarray | Array) -> Array:
+            return jnp.asarray(x).reshape(-1)
 
-
-def _static(nonempty: np.ndarray, whole: np.ndarray) -> Plan:
-    n_outer = nonempty.shape[0]
-    steps = max(int(nonempty.sum(axis=1).max(initial=0)), 1)
-    kv_block = np.zeros((n_outer, steps), np.int32)
-    flag = np.zeros((n_outer, steps), np.int32)
-    for o in range(n_outer):
-        visit = np.flatnonzero(nonempty[o])
-        kv_block[o, : len(visit)] = visit
-        flag[o, : len(visit)] = np.where(whole[o, visit], FULL, PARTIAL)
-        if len(visit):
-            kv_block[o, len(visit):] = visit[-1]
-    return Plan(kv_block, flag, Layout(1, 1, n_outer, steps, nonempty.shape[1]))
+        return flat(self.outer), flat(self.inner), flat(self.code)
 
 
 def _listed(nonempty: np.ndarray, whole: np.ndarray, summary: Array | np.ndarray) -> Plan:
-    """The static plan narrowed by `summary` (`int8[lead_b, lead_h, n_outer, n_inner]`,
-    `make_block_mask`'s flags): per row, the non-empty blocks in order, then the last one
-    repeated with flag 0. A NumPy summary (known when traced) gives NumPy tables as wide
-    as its widest row; a traced one, tables built in the program, as wide as the static
-    plan."""
+    """The plan of the static `(nonempty, whole)` flags narrowed by `summary`
+    (`int8[lead_b, lead_h, n_outer, n_inner]`, `make_block_mask`'s flags; all `FULL` for
+    none). NumPy in, NumPy out: each outer block gets as many steps as its most visited
+    row needs; traced: as many as the static plan gives it."""
     xp: Any = np if isinstance(summary, np.ndarray) else jnp
     lead_b, lead_h, n_outer, n_inner = summary.shape
     assert nonempty.shape == (n_outer, n_inner), (nonempty.shape, summary.shape)
     visit = xp.asarray(nonempty)[None, None] & (summary != EMPTY)
     full = xp.asarray(whole)[None, None] & (summary == FULL)
-    count = xp.sum(visit, axis=-1, dtype=np.int32)[..., None]
-    wide = nonempty if xp is jnp else visit
-    steps = max(int(np.max(np.sum(wide, axis=-1), initial=0)), 1)
+    count = xp.sum(visit, axis=-1, dtype=np.int32)  # (lead_b, lead_h, n_outer)
+    bound = np.sum(nonempty if xp is jnp else visit, axis=-1).reshape(-1, n_outer)
+    widths = [max(int(w), 1) for w in bound.max(axis=0, initial=0)]
     # A stable sort of "not visited" puts a row's visited blocks first, in order.
     order = xp.argsort(xp.logical_not(visit).astype(np.int8), axis=-1,
-                       stable=True)[..., :steps].astype(np.int32)
-    step = xp.arange(steps, dtype=np.int32).reshape(1, 1, 1, steps)
-    last = xp.take_along_axis(order, xp.maximum(count - 1, 0), axis=-1)
-    kv_block = xp.where(step < count, order, xp.where(count > 0, last, 0))
-    flag = xp.where(step < count,
-                    xp.where(xp.take_along_axis(full, order, axis=-1), FULL, PARTIAL), 0)
-    return Plan(kv_block.astype(np.int32), flag.astype(np.int32),
-                Layout(lead_b, lead_h, n_outer, steps, n_inner), listed=True)
+                       stable=True).astype(np.int32)
+    outer, inner, code = [], [], []
+    for o, width in enumerate(widths):
+        n = count[..., o:o + 1]
+        step = xp.arange(width, dtype=np.int32).reshape(1, 1, width)
+        blocks = order[..., o, :width]
+        last = xp.take_along_axis(blocks, xp.maximum(n - 1, 0), axis=-1)
+        inner.append(xp.where(step < n, blocks, xp.where(n > 0, last, 0)))
+        kind = xp.where(xp.take_along_axis(full[..., o, :], blocks, axis=-1), FULL, PARTIAL)
+        ends = np.zeros(width, np.int32)
+        ends[0] |= FIRST
+        ends[-1] |= LAST
+        code.append(xp.where(step < n, kind, 0) | xp.asarray(ends).reshape(1, 1, width))
+        outer.append(xp.full((lead_b, lead_h, width), o, np.int32))
+    steps = sum(widths)
+    def joined(parts: list[Any]) -> Any:
+        return xp.concatenate(parts, axis=-1).astype(np.int32)
+
+    return Plan(joined(outer), joined(inner), joined(code),
+                Layout(lead_b, lead_h, steps, n_outer, n_inner))
 
 
 def _flags(cfg: KernelConfig) -> tuple[np.ndarray, np.ndarray]:
@@ -133,27 +141,27 @@ def _summary(block_flags: Array | np.ndarray) -> Array | np.ndarray:
     return block_flags.reshape(lead_b, lead_h, num_q, num_k)
 
 
-def _known(cfg: KernelConfig, block_flags: Array | None) -> Array | np.ndarray | None:
-    """The summary the plan follows: the one known when traced (`cfg.block_summary`),
-    else `ops.block_flags` (None: no summary)."""
-    if cfg.block_summary is not None:
-        return _summary(cfg.block_summary.flags)
-    return None if block_flags is None else _summary(block_flags)
+def _plan(cfg: KernelConfig, block_flags: Array | None, transposed: bool) -> Plan:
+    nonempty, whole = _flags(cfg)
+    if transposed:
+        nonempty, whole = nonempty.T, whole.T
+    if cfg.block_summary is not None:  # known when traced
+        summary = _summary(cfg.block_summary.flags)
+    elif block_flags is not None:
+        summary = _summary(block_flags)
+    else:
+        plan = _listed(nonempty, whole, np.full((1, 1, *nonempty.shape), FULL, np.int8))
+        return plan
+    if transposed:
+        summary = summary.swapaxes(-1, -2)
+    return _listed(nonempty, whole, summary)._replace(listed=True)
 
 
 def forward_plan(cfg: KernelConfig, block_flags: Array | None = None) -> Plan:
-    """Per query block, its key blocks."""
-    nonempty, whole = _flags(cfg)
-    summary = _known(cfg, block_flags)
-    if summary is None:
-        return _static(nonempty, whole)
-    return _listed(nonempty, whole, summary)
+    """Per query block, its key blocks (`block_flags`: a summary known at run time)."""
+    return _plan(cfg, block_flags, transposed=False)
 
 
 def backward_plan(cfg: KernelConfig, block_flags: Array | None = None) -> Plan:
     """Per key block, its query blocks."""
-    nonempty, whole = _flags(cfg)
-    summary = _known(cfg, block_flags)
-    if summary is None:
-        return _static(nonempty.T, whole.T)
-    return _listed(nonempty.T, whole.T, summary.swapaxes(-1, -2))
+    return _plan(cfg, block_flags, transposed=True)

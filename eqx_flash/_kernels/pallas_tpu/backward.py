@@ -29,7 +29,7 @@ from jaxtyping import Array
 
 from ..._core.config import KernelConfig, stat_dtype
 from ..._core.operands import Operands, differentiable_part, reduce_to
-from ._call import planned_call, split_refs
+from ._call import planned_call, read_step, split_refs
 from ._operands import SUBLANES, BlockOperands, lane_blocks, masks_some_pairs, prepare
 from ._plan import Layout, Plan, backward_plan, forward_plan
 from ._platform import on_tpu_or_interpreted
@@ -153,20 +153,20 @@ def _dkv_call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units,
     b, h, g, seq_q, d = q.shape
     dv = v.shape[-1]
     bq, bk = cfg.block_q, cfg.block_k
-    num_k, steps = plan.layout.num_outer, plan.layout.steps
+    num_k = plan.layout.num_outer
     at = plan.layout.at
     stat = lse.dtype
 
-    def q_map(bi, hi, j, s, q_block, *tables):
-        return bi, hi, 0, q_block[at(bi, hi, j, s)], 0
+    def q_map(bi, hi, t, outer, inner, *tables):
+        return bi, hi, 0, inner[at(bi, hi, t)], 0
 
-    def row_map(bi, hi, j, s, q_block, *tables):
-        return bi, hi, 0, q_block[at(bi, hi, j, s)], 0, 0
+    def row_map(bi, hi, t, outer, inner, *tables):
+        return bi, hi, 0, inner[at(bi, hi, t)], 0, 0
 
-    def kv_map(bi, hi, j, s, *tables):
-        return bi, hi, j, 0
+    def kv_map(bi, hi, t, outer, inner, *tables):
+        return bi, hi, outer[at(bi, hi, t)], 0
 
-    def head_map(bi, hi, j, s, *tables):
+    def head_map(bi, hi, t, *tables):
         return bi, hi, 0, 0, 0
 
     rows = tuple(lane_blocks(x, bq) for x in (lse, delta))  # queries along the lanes
@@ -189,29 +189,25 @@ def _dkv_call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units,
         outputs.insert(0, (q.shape, q.dtype))
         scratch.append(pltpu.VMEM((g, seq_q, d), stat))
         blocks += g * seq_q * d * (4 + 2 * item)
-        # dq gathers over the key blocks: they run in order within a head.
-        semantics = ("parallel", "parallel", "arbitrary", "arbitrary")
-    else:
-        semantics = ("parallel", "parallel", "parallel", "arbitrary")
     if slopes:  # per key block, `sum(ds * distance)` over its query rows, per lane
         out_specs.append(pl.BlockSpec((None, None, None, g, 1, chunk),
-                                      lambda bi, hi, j, s, *tables: (bi, hi, j, 0, 0, 0)))
+                                      lambda bi, hi, t, outer, *tables: (
+                                          bi, hi, outer[at(bi, hi, t)], 0, 0, 0)))
         outputs.append(((b, h, num_k, g, 1, chunk), jnp.float32))
     kernel = functools.partial(_dkv_kernel, cfg=cfg, operands=operands, u=u, chunk=chunk,
                                layout=plan.layout, listed=plan.listed, fused=fused,
                                slopes=slopes)
     return planned_call(
-        kernel, plan=plan, operands=operands, blocks=(bq, bk), grid=(b, h, num_k, steps),
+        kernel, plan=plan, operands=operands, blocks=(bq, bk), heads=(b, h),
         in_specs=in_specs,
-        out_specs=out_specs, outputs=outputs, scratch=scratch, semantics=semantics,
-        vmem_bytes=blocks,
+        out_specs=out_specs, outputs=outputs, scratch=scratch, vmem_bytes=blocks,
         name="eqx_flash_backward_fused" if fused else "eqx_flash_backward_dkv",
         interpret=interpret)(q, k, v, d_out, *rows)
 
 
-def _dkv_kernel(q_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: BlockOperands,
-                u: Units, chunk: int, layout: Layout, listed: bool, fused: bool,
-                slopes: bool):
+def _dkv_kernel(outer_ref, inner_ref, code_ref, *refs, cfg: KernelConfig,
+                operands: BlockOperands, u: Units, chunk: int, layout: Layout, listed: bool,
+                fused: bool, slopes: bool):
     tables, (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), operand_refs, rest = split_refs(
         refs, operands, 6)
     scratch = 3 if fused else 2  # the outputs come first, `ds_distance_ref` last of them
@@ -223,25 +219,23 @@ def _dkv_kernel(q_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: Block
         dk_ref, dv_ref, dk_acc, dv_acc = (*outputs, *rest)
         dq_ref: Any = None
         dq_acc: Any = None
-    bi, hi, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
-    num_k = pl.num_programs(2)
+    at = read_step(layout, outer_ref, inner_ref, code_ref)
+    bi, hi, j, qb, flag = at.batch, at.head, at.outer, at.inner, at.flag
     g, bq, _ = q_ref.shape
     bk = k_ref.shape[0]
     stat = dk_acc.dtype
 
-    if fused:
-        @pl.when((j == 0) & (s == 0))
+    if fused:  # (dq gathers over every step of a head)
+        @pl.when(at.t == 0)
         def _init_dq():
             dq_acc[...] = jnp.zeros(dq_acc.shape, stat)
 
-    @pl.when(s == 0)
+    @pl.when(at.first)
     def _init():
         dk_acc[...] = jnp.zeros(dk_acc.shape, stat)
         dv_acc[...] = jnp.zeros(dv_acc.shape, stat)
         if ds_distance_ref is not None:
             ds_distance_ref[...] = jnp.zeros(ds_distance_ref.shape, ds_distance_ref.dtype)
-
-    flag, qb = flag_ref[layout.at(bi, hi, j, s)], q_block_ref[layout.at(bi, hi, j, s)]
 
     def step(positional):
         # (Tables read in the step, under its `pl.when`: inside a user's shard_map,
@@ -296,7 +290,7 @@ def _dkv_kernel(q_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: Block
 
     _by_flag(flag, operands, step)
 
-    @pl.when(s == layout.steps - 1)
+    @pl.when(at.last)
     def _finish():
         # dk of the natural logits `scale * q.k`: the queries carry `u.fold` of it.
         dk = dk_acc[...] * jnp.asarray(cfg.scale / u.fold, stat)
@@ -304,7 +298,7 @@ def _dkv_kernel(q_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: Block
         dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
     if fused:
-        @pl.when((j == num_k - 1) & (s == layout.steps - 1))
+        @pl.when(at.t == layout.steps - 1)
         def _finish_dq():
             dq = dq_acc[...] * jnp.asarray(cfg.scale, stat)
             dq_ref[...] = dq.astype(dq_ref.dtype)
@@ -324,8 +318,8 @@ def _bias_cotangent(operands: BlockOperands, cfg: KernelConfig, b: int, h: int,
     shape = (b, h, 1 if pair.queries else seq_q // bq, 1 if pair.keys else seq_k // bk,
              pair.groups, seq_q if pair.queries else 1, seq_k if pair.keys else 1)
 
-    def index_map(bi, hi, i, s, kv_block, *tables):
-        kb = kv_block[layout.at(bi, hi, i, s)]
+    def index_map(bi, hi, t, outer, inner, *tables):
+        i, kb = outer[layout.at(bi, hi, t)], inner[layout.at(bi, hi, t)]
         q_at, k_at = (0, i) if pair.queries else (i, 0), (0, kb) if pair.keys else (kb, 0)
         return bi, hi, q_at[0], k_at[0], 0, q_at[1], k_at[1]
 
@@ -339,15 +333,14 @@ def _dq_call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units,
     b, h, g, seq_q, d = q.shape
     dv = v.shape[-1]
     bq, bk = cfg.block_q, cfg.block_k
-    num_q, steps = plan.layout.num_outer, plan.layout.steps
     at = plan.layout.at
     stat = lse.dtype
 
-    def q_map(bi, hi, i, s, *tables):
-        return bi, hi, 0, i, 0
+    def q_map(bi, hi, t, outer, inner, *tables):
+        return bi, hi, 0, outer[at(bi, hi, t)], 0
 
-    def kv_map(bi, hi, i, s, kv_block, *tables):
-        return bi, hi, kv_block[at(bi, hi, i, s)], 0
+    def kv_map(bi, hi, t, outer, inner, *tables):
+        return bi, hi, inner[at(bi, hi, t)], 0
 
     columns = tuple(jnp.broadcast_to(x[..., None], (*x.shape, LANES)) for x in (lse, delta))
     in_specs = [
@@ -376,35 +369,33 @@ def _dq_call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units,
     kernel = functools.partial(_dq_kernel, cfg=cfg, operands=operands, u=u,
                                layout=plan.layout, listed=plan.listed, zeroed=len(zeroed))
     results = planned_call(
-        kernel, plan=plan, operands=operands, blocks=(bq, bk), grid=(b, h, num_q, steps),
+        kernel, plan=plan, operands=operands, blocks=(bq, bk), heads=(b, h),
         in_specs=in_specs, out_specs=out_specs, outputs=outputs,
-        scratch=[pltpu.VMEM((rows, d), stat)],
-        semantics=("parallel", "parallel", "parallel", "arbitrary"), vmem_bytes=blocks,
+        scratch=[pltpu.VMEM((rows, d), stat)], vmem_bytes=blocks,
         name="eqx_flash_backward_dq", interpret=interpret, zeroed=zeroed,
     )(q, k, v, d_out, *columns)
     return results[0], results[1] if d_bias_wanted else None
 
 
-def _dq_kernel(kv_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: BlockOperands,
-               u: Units, layout: Layout, listed: bool, zeroed: int):
+def _dq_kernel(outer_ref, inner_ref, code_ref, *refs, cfg: KernelConfig,
+               operands: BlockOperands, u: Units, layout: Layout, listed: bool, zeroed: int):
     tables, (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), operand_refs, rest = split_refs(
         refs, operands, 6)
     rest = rest[zeroed:]  # (the zero inputs behind the aliased outputs)
     dq_ref, *d_bias, acc_ref = rest
     d_bias_ref = d_bias[0] if d_bias else None
-    bi, hi, i, s = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
+    at = read_step(layout, outer_ref, inner_ref, code_ref)
+    bi, hi, i, kb, flag = at.batch, at.head, at.outer, at.inner, at.flag
     g, bq, d = q_ref.shape
     bk, dv = v_ref.shape
     rows, stat = g * bq, acc_ref.dtype
 
-    @pl.when(s == 0)
+    @pl.when(at.first)
     def _init():
         acc_ref[...] = jnp.zeros(acc_ref.shape, stat)
 
-    flag, kb = flag_ref[layout.at(bi, hi, i, s)], kv_block_ref[layout.at(bi, hi, i, s)]
-
     if d_bias_ref is not None:
-        @pl.when((s == 0) & (flag == 0))
+        @pl.when(at.first & (flag == 0))
         def _no_keys():  # a query block the plan gives no key block: its block is zero
             d_bias_ref[...] = jnp.zeros(d_bias_ref.shape, d_bias_ref.dtype)
 
@@ -443,7 +434,7 @@ def _dq_kernel(kv_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: Block
 
     _by_flag(flag, operands, step)
 
-    @pl.when(s == layout.steps - 1)
+    @pl.when(at.last)
     def _finish():
         dq = acc_ref[...] * jnp.asarray(cfg.scale, stat)
         dq_ref[...] = dq.reshape(g, bq, d).astype(dq_ref.dtype)

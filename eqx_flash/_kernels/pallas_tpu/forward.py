@@ -1,10 +1,10 @@
 """The Pallas TPU forward kernel: online softmax over a flat plan of block pairs.
 
-One kernel instance per `(batch, kv head, query block, step)`: the steps of a query
-block walk its non-empty key blocks from a prefetched table (`_plan.Plan`), so blocks
-that causal or a window empty cost neither a DMA nor a grid step beyond the table's
-width. The query heads of a kv head are folded into the rows of one tile (GQA without
-repeating k, v). The running max, sum and output accumulator live in VMEM scratch across
+One kernel instance per `(batch, kv head, step)`: the steps walk each query block's
+non-empty key blocks from prefetched tables (`_plan.Plan`), so blocks that causal, a
+window or a mask_mod's summary empty cost neither a DMA nor a grid step. The query
+heads of a kv head are folded into the rows of one tile (GQA without repeating k, v).
+The running max, sum and output accumulator live in VMEM scratch across
 a query block's steps; masks are computed from iota and the per-key/per-query operands
 (`_operands`) inside the kernel, only on the steps the plan marks partial. The finish
 follows `_semantics.softmax.finish` exactly: a row that attended nothing gets 0 and -inf.
@@ -23,7 +23,7 @@ from jaxtyping import Array
 from ..._core.config import KernelConfig, stat_dtype
 from ..._core.operands import Operands
 from ..._semantics.masking import window_overlap
-from ._call import planned_call, split_refs
+from ._call import planned_call, read_step, split_refs
 from ._operands import BlockOperands, masks_some_pairs, prepare
 from ._plan import Layout, Plan, forward_plan
 from ._platform import on_tpu_or_interpreted
@@ -67,16 +67,15 @@ def _call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units,
     b, h, g, seq_q, d = q.shape
     seq_k, dv = k.shape[2], v.shape[-1]
     bq, bk = cfg.block_q, cfg.block_k
-    num_q, steps = plan.layout.num_outer, plan.layout.steps
     at = plan.layout.at
     stat = stat_dtype(q.dtype)
-    assert seq_q == num_q * bq and seq_k % bk == 0, (q.shape, k.shape, cfg)
+    assert seq_q == plan.layout.num_outer * bq and seq_k % bk == 0, (q.shape, k.shape, cfg)
 
-    def q_map(bi, hi, i, s, *tables):
-        return bi, hi, 0, i, 0
+    def q_map(bi, hi, t, outer, inner, *tables):
+        return bi, hi, 0, outer[at(bi, hi, t)], 0
 
-    def kv_map(bi, hi, i, s, kv_block, *tables):
-        return bi, hi, kv_block[at(bi, hi, i, s)], 0
+    def kv_map(bi, hi, t, outer, inner, *tables):
+        return bi, hi, inner[at(bi, hi, t)], 0
 
     in_specs = [
         pl.BlockSpec((None, None, g, bq, d), q_map),
@@ -96,10 +95,9 @@ def _call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units,
     kernel = functools.partial(_kernel, cfg=cfg, operands=operands, u=u, chunk=chunk,
                                split=split, layout=plan.layout, listed=plan.listed)
     out, lse, max_score = planned_call(
-        kernel, plan=plan, operands=operands, blocks=(bq, bk), grid=(b, h, num_q, steps),
+        kernel, plan=plan, operands=operands, blocks=(bq, bk), heads=(b, h),
         in_specs=in_specs,
         out_specs=out_specs, outputs=outputs, scratch=scratch,
-        semantics=("parallel", "parallel", "parallel", "arbitrary"),
         vmem_bytes=_vmem_bytes(rows, bk, d, dv, q.dtype), name="eqx_flash_forward",
         interpret=interpret)(q, k, v)
     return out, lse[..., 0], max_score[..., 0]
@@ -114,20 +112,20 @@ def _vmem_bytes(rows: int, bk: int, d: int, dv: int, dtype) -> int:
     return blocks + temps
 
 
-def _kernel(kv_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: BlockOperands,
-            u: Units, chunk: int, split: int | None, layout: Layout, listed: bool):
+def _kernel(outer_ref, inner_ref, code_ref, *refs, cfg: KernelConfig,
+            operands: BlockOperands, u: Units, chunk: int, split: int | None, layout: Layout,
+            listed: bool):
     tables, (q_ref, k_ref, v_ref), operand_refs, rest = split_refs(refs, operands, 3)
     o_ref, lse_ref, max_ref, m_scr, l_scr, acc_scr = rest
-    bi, hi, i, s = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
+    at = read_step(layout, outer_ref, inner_ref, code_ref)
+    bi, hi, i, kb, flag = at.batch, at.head, at.outer, at.inner, at.flag
 
-    @pl.when(s == 0)
+    @pl.when(at.first)
     def _init():
         m_scr[...] = jnp.full(m_scr.shape, _FLOOR, m_scr.dtype)
         l_scr[...] = jnp.zeros(l_scr.shape, l_scr.dtype)
         acc_scr[...] = jnp.zeros(acc_scr.shape, acc_scr.dtype)
 
-    flag = flag_ref[layout.at(bi, hi, i, s)]
-    kb = kv_block_ref[layout.at(bi, hi, i, s)]
     step = functools.partial(
         _step, cfg=cfg, operands=operands, u=u, chunk=chunk, split=split, q_ref=q_ref,
         k_ref=k_ref, v_ref=v_ref, operand_refs=operand_refs, tables=tables, bi=bi, hi=hi,
@@ -141,7 +139,7 @@ def _kernel(kv_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: BlockOpe
         pl.when(flag == 2)(functools.partial(step, positional=False, flag=flag))
         pl.when(flag == 1)(functools.partial(step, positional=True, flag=flag))
 
-    @pl.when(s == layout.steps - 1)
+    @pl.when(at.last)
     def _finish():
         _write_finish(u, o_ref, lse_ref, max_ref, m_scr, l_scr, acc_scr)
 

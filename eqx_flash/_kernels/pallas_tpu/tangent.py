@@ -19,7 +19,7 @@ from jaxtyping import Array
 
 from ..._core.config import KernelConfig, stat_dtype
 from ..._core.operands import Operands
-from ._call import planned_call, split_refs
+from ._call import planned_call, read_step, split_refs
 from ._operands import BlockOperands, masks_some_pairs, prepare
 from ._plan import Layout, Plan, forward_plan
 from ._platform import on_tpu_or_interpreted
@@ -67,15 +67,14 @@ def _call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units, chun
     b, h, g, seq_q, d = q.shape
     dv_dim = v.shape[-1]
     bq, bk = cfg.block_q, cfg.block_k
-    num_q, steps = plan.layout.num_outer, plan.layout.steps
     at = plan.layout.at
     stat = stat_dtype(q.dtype)
 
-    def q_map(bi, hi, i, s, *tables):
-        return bi, hi, 0, i, 0
+    def q_map(bi, hi, t, outer, inner, *tables):
+        return bi, hi, 0, outer[at(bi, hi, t)], 0
 
-    def kv_map(bi, hi, i, s, kv_block, *tables):
-        return bi, hi, kv_block[at(bi, hi, i, s)], 0
+    def kv_map(bi, hi, t, outer, inner, *tables):
+        return bi, hi, inner[at(bi, hi, t)], 0
 
     tangent_specs = [spec for spec, present in zip(
         (pl.BlockSpec((None, None, g, bq, d), q_map), pl.BlockSpec((None, None, bk, d), kv_map),
@@ -101,17 +100,16 @@ def _call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units, chun
     kernel = functools.partial(_kernel, cfg=cfg, operands=operands, u=u, chunk=chunk,
                                layout=plan.layout, listed=plan.listed, has=has)
     out, lse, max_score, d_out, d_lse = planned_call(
-        kernel, plan=plan, operands=operands, blocks=(bq, bk), grid=(b, h, num_q, steps),
+        kernel, plan=plan, operands=operands, blocks=(bq, bk), heads=(b, h),
         in_specs=in_specs,
         out_specs=out_specs, outputs=outputs, scratch=scratch,
-        semantics=("parallel", "parallel", "parallel", "arbitrary"),
         vmem_bytes=_vmem_bytes(2 * rows, 2 * bk, d, 2 * dv_dim, q.dtype),
         name="eqx_flash_forward_and_tangent", interpret=interpret)(q, k, v, *tangents)
     return out, lse[..., 0], max_score[..., 0], d_out, d_lse[..., 0]
 
 
-def _kernel(kv_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: BlockOperands,
-            u: Units, chunk: int, layout: Layout, listed: bool,
+def _kernel(outer_ref, inner_ref, code_ref, *refs, cfg: KernelConfig,
+            operands: BlockOperands, u: Units, chunk: int, layout: Layout, listed: bool,
             has: tuple[bool, bool, bool]):
     tables, inputs, operand_refs, rest = split_refs(refs, operands, 3 + sum(has))
     q_ref, k_ref, v_ref = inputs[:3]
@@ -119,18 +117,17 @@ def _kernel(kv_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: BlockOpe
     dq_ref, dk_ref, dv_ref = (next(it) if present else None for present in has)
     (o_ref, lse_ref, max_ref, do_ref, dlse_ref,
      m_scr, l_scr, acc_scr, acc_t_scr, acc_ds_scr) = rest
-    bi, hi, i, s = (pl.program_id(n) for n in range(4))
+    at = read_step(layout, outer_ref, inner_ref, code_ref)
+    bi, hi, i, kb, flag = at.batch, at.head, at.outer, at.inner, at.flag
     g, bq, d = q_ref.shape
     bk = k_ref.shape[0]
     rows, stat = g * bq, m_scr.dtype
 
-    @pl.when(s == 0)
+    @pl.when(at.first)
     def _init():
         m_scr[...] = jnp.full(m_scr.shape, _FLOOR, stat)
         for ref in (l_scr, acc_scr, acc_t_scr, acc_ds_scr):
             ref[...] = jnp.zeros(ref.shape, stat)
-
-    flag, kb = flag_ref[layout.at(bi, hi, i, s)], kv_block_ref[layout.at(bi, hi, i, s)]
 
     heads = pl.num_programs(1)
 
@@ -216,7 +213,7 @@ def _kernel(kv_block_ref, flag_ref, *refs, cfg: KernelConfig, operands: BlockOpe
         pl.when(flag == 2)(lambda: step(False))
         pl.when(flag == 1)(lambda: step(True))
 
-    @pl.when(s == layout.steps - 1)
+    @pl.when(at.last)
     def _finish():
         _write_finish(u, o_ref, lse_ref, max_ref, m_scr, l_scr, acc_scr)
         total = l_scr[...]
