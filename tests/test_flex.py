@@ -455,6 +455,9 @@ def test_causal_flash_attention_and_bare_inputs():
 
 
 def test_alibi_module_equals_alibi_slopes():
+    """The `ALiBi` module (run by the kernels as their own ALiBi, `flash.native_alibi`)
+    equals `alibi_slopes` at the bottom-right offset, and the reference evaluating the
+    module itself at any offset."""
     q, k, v = _qkv()
     alibi = ALiBi(H, offset=OFFSET)
     np.testing.assert_allclose(alibi.slopes, 2.0 ** -(2.0 * np.arange(1, 5)))
@@ -464,6 +467,12 @@ def test_alibi_module_equals_alibi_slopes():
         ref, ref_lse = _flash(q, k, v, alibi_slopes=alibi.slopes, causal=causal)
         np.testing.assert_allclose(out, ref, atol=2e-6)
         np.testing.assert_allclose(lse, ref_lse, atol=2e-6)
+    top_left = ALiBi(H)
+    out, lse = jax.jit(lambda q, k, v: _flash(q, k, v, score_mod=top_left))(q, k, v)
+    ref, ref_lse = jax.jit(lambda q, k, v: plain_attention(q, k, v, score_mod=top_left))(
+        q, k, v)
+    assert_close(out, ref)
+    assert_close(lse, ref_lse)
 
 
 def test_relative_position_bucket():

@@ -154,6 +154,33 @@ def test_alibi_against_reference(name):
     _compare_with_array(q, k, v, case, "alibi_slopes", slopes, 0.3 * slopes)
 
 
+def test_the_alibi_module_runs_in_the_kernels():
+    """An `ALiBi` module given as the `score_mod` runs as the kernels' own ALiBi (its
+    slopes and its offset, here top-left against bottom-right causal): values, lse and
+    the gradients of q, k, v and of the module's slopes against `plain_attention`
+    evaluating the module itself."""
+    q, k, v = qkv(25, (2, 4, 200, 32), (2, 2, 300, 32))
+    alibi = eqx_flash.ALiBi(4)
+    assert eqx_flash.kernel_family(q, k, v, score_mod=alibi, kernels="pallas_tpu")[0] == (
+        "pallas_tpu")
+
+    def run(attention, alibi, q, k, v):
+        def loss(alibi, q, k, v):
+            return _loss(attention, q, k, v, score_mod=alibi, causal=True)
+
+        out, lse = attention(q, k, v, score_mod=alibi, causal=True)
+        return out, lse, jax.grad(loss, argnums=(0, 1, 2, 3))(alibi, q, k, v)
+
+    pallas = functools.partial(flash_attention, **PALLAS, **BLOCKS)
+    got = jax.jit(functools.partial(run, pallas))(alibi, q, k, v)
+    want = jax.jit(functools.partial(run, plain_attention))(alibi, q, k, v)
+    assert_close(got[0], want[0], name="out")
+    assert_lse_close(got[1], want[1], jnp.float32)
+    for name, a, b in zip(("d_slopes", "dq", "dk", "dv"), got[2], want[2], strict=True):
+        a, b = (x.slopes if name == "d_slopes" else x for x in (a, b))
+        assert_close(a, b, kind="grad", name=name)
+
+
 BIASES = {
     "per query head and pair": dict(shape=(4, 200, 300)),
     "per sequence and key, causal softcap": dict(shape=(2, 1, 1, 300), causal=True,
@@ -225,7 +252,8 @@ def test_which_mods_run_in_the_kernels():
 
     reasons = {
         "closing over arrays": dict(score_mod=looked_up),
-        "holding arrays": dict(score_mod=eqx_flash.ALiBi(2)),
+        "holding arrays": dict(score_mod=eqx_flash.RelativePositionBias(
+            2, key=jax.random.key(0))),
         "block_mask built at blocks (24, 40)": dict(
             mask_mod=sliding_prefix, block_mask=eqx_flash.make_block_mask(
                 sliding_prefix, (1,), 2, 64, 64, block_q=24, block_k=40)),

@@ -72,10 +72,11 @@ from .._mods.block_mask import (
     coarsened,
     derived_flags,
 )
+from .._mods.position_bias import ALiBi
 from .._mods.tracing import trace_mods, varying_axes_of
 from .._semantics.masking import valid_rows
 from .._semantics.softmax import with_sink
-from .binder import Bound, bind
+from .binder import Bound, bind, bind_array
 
 # The forward kernel the configuration chose (split-K for flash-decoding, else the
 # regular one, of the chosen family). Every derivative goes through this rule: forward
@@ -92,12 +93,32 @@ def call_of(bound: Bound, shapes: Shapes | None = None) -> Call:
                                                       bound.block_mask.block_k))
 
 
+def native_alibi(bound: Bound) -> tuple[Bound, int | None]:
+    """`bound` with an `ALiBi` module given as its `score_mod` taken as `alibi_slopes`
+    (the same term, `-slopes[head] * |q_idx + offset - kv_idx|`, computed by the kernels
+    without a call per block, so every family, the Pallas kernels included, runs it and
+    the slopes' gradient is theirs), and the module's `offset` for `KernelConfig
+    .alibi_offset`; as it is (and None) where that would not be the same term: with
+    `alibi_slopes` given too, with positions (the kernels' ALiBi measures them), or with
+    slopes that are not one per query head."""
+    module, ops, shapes = bound.score_mod, bound.operands, bound.shapes
+    if (type(module) is not ALiBi or ops.alibi_slopes is not None or ops.has_positions
+            or getattr(module.slopes, "shape", None) != (shapes.heads,)):
+        return bound, None
+    slopes = bind_array("per_head", "alibi_slopes", module.slopes, shapes)
+    return dataclasses.replace(bound, score_mod=None,
+                               operands=replace(ops, alibi_slopes=slopes)), module.offset
+
+
 def prepare_kernels(bound: Bound) -> tuple[KernelConfig, Operands]:
     """The kernels' configuration for `bound` (the kernel choice, made once:
     `_kernels.dispatch.choose`) and its operands with the modifications' arrays and
     block summary added (`score_mod`/`mask_mod` are traced at the block sizes chosen)."""
+    bound, alibi_offset = native_alibi(bound)
     shapes, ops = bound.shapes, bound.operands
     cfg = choose(call_of(bound), bound.options.kernels)
+    if alibi_offset is not None:
+        cfg = dataclasses.replace(cfg, alibi_offset=alibi_offset)
     mods, mod_ops = trace_mods(bound.score_mod, bound.mask_mod, shapes.heads, shapes.groups,
                                cfg.block_q, cfg.block_k, stat_dtype(bound.q.dtype),
                                varying_axes_of((bound.q, bound.k, bound.v, ops)))

@@ -36,10 +36,11 @@ class ALiBi(eqx.Module):
 
     `offset` aligns query and key positions: `seq_k - seq_q` aligns them bottom-right,
     as `flash_attention(alibi_slopes=...)` does, and the default 0 equals it when
-    `seq_q == seq_k`. For speed, prefer `flash_attention(..., alibi_slopes=alibi.slopes)`,
-    which computes the same term without a call per block; this module is for composing
-    with other modifications. `slopes` is a leaf, so it trains if you let it (freeze it
-    with `eqx.partition` or `jax.lax.stop_gradient` otherwise).
+    `seq_q == seq_k`. Given alone as the `score_mod` (no `alibi_slopes`, no positions),
+    `flash_attention` runs it as its own ALiBi (`alibi_slopes=alibi.slopes` at this
+    offset: no call per block, and in the Pallas TPU kernels too); composed into another
+    function it is called per block like any score_mod. `slopes` is a leaf, so it trains
+    if you let it (freeze it with `eqx.partition` or `jax.lax.stop_gradient` otherwise).
     """
 
     slopes: Float[Array, " heads"]
