@@ -21,6 +21,7 @@ import eqx_flash
 from eqx_flash import flash_attention, plain_attention
 from eqx_flash._core.config import KernelConfig
 from eqx_flash._core.options import Window
+from eqx_flash._kernels.pallas_tpu import _plan
 from eqx_flash._kernels.pallas_tpu._plan import FIRST, FLAG, LAST, backward_plan, forward_plan
 from eqx_flash._kernels.schedule import static_flags
 from eqx_flash._mods.block_mask import EMPTY, FULL, PARTIAL, KnownSummary
@@ -318,6 +319,21 @@ def test_a_block_summary_narrows_the_plan():
                 np.testing.assert_array_equal(code[b, h, run][:n] & FLAG, want)
                 assert (code[b, h, run][n:] & FLAG == 0).all()
                 assert (inner[b, h, run][n:] == (visit[-1] if visit else 0)).all()
+
+
+def test_a_summary_too_large_to_list_per_head_is_shared(monkeypatch):
+    """Past `_plan.MAX_LISTED` block pairs in all, a summary that varies over the batch
+    and the kv heads is merged over them (one table: a block visited where any visits
+    it, whole where all do): the results stay the reference's."""
+    monkeypatch.setattr(_plan, "MAX_LISTED", 8)
+    jax.clear_caches()  # (no program traced before the patch)
+    cfg = KernelConfig(seq_q=300, seq_k=500, block_q=64, block_k=128,
+                       window=Window(None, None), scale=1.0)
+    summary = np.random.default_rng(1).integers(0, 3, (2, 3, 1, 5, 4)).astype(np.int8)
+    plan = forward_plan(cfg, jnp.asarray(summary))
+    assert plan.layout[:2] == (1, 1) and plan.listed
+    q, k, v = qkv(26, (2, 4, 200, 32), (2, 2, 300, 32))
+    _compare(q, k, v, mask_mod=sliding_prefix)
 
 
 def test_block_masks_in_the_kernels():

@@ -32,6 +32,10 @@ from ..._mods.block_mask import EMPTY, FULL, PARTIAL
 from ..schedule import static_flags
 
 FLAG, FIRST, LAST = 3, 4, 8  # a step's code: `code & FLAG` its flag, then two bits
+# The most block pairs a plan lists per batch element and kv head (three int32 tables of
+# at most this many steps each, in SMEM); past it, a summary that varies over them is
+# merged over them (`_shared`): still exact, the mask_mod evaluated where any needs it.
+MAX_LISTED = 2**15
 
 
 class Layout(NamedTuple):
@@ -154,7 +158,18 @@ def _plan(cfg: KernelConfig, block_flags: Array | None, transposed: bool) -> Pla
         return plan
     if transposed:
         summary = summary.swapaxes(-1, -2)
+    if summary.shape[0] * summary.shape[1] * nonempty.size > MAX_LISTED:
+        summary = _shared(summary)
     return _listed(nonempty, whole, summary)._replace(listed=True)
+
+
+def _shared(summary: Array | np.ndarray) -> Array | np.ndarray:
+    """One summary for every batch element and kv head: a block empty where it is for
+    all of them, full where it is for all, partial otherwise."""
+    xp: Any = np if isinstance(summary, np.ndarray) else jnp
+    some = xp.any(summary != EMPTY, axis=(0, 1), keepdims=True)
+    every = xp.all(summary == FULL, axis=(0, 1), keepdims=True)
+    return xp.where(some, xp.where(every, FULL, PARTIAL), EMPTY).astype(np.int8)
 
 
 def forward_plan(cfg: KernelConfig, block_flags: Array | None = None) -> Plan:
