@@ -35,7 +35,7 @@ FLAG, FIRST, LAST = 3, 4, 8  # a step's code: `code & FLAG` its flag, then two b
 # The most block pairs a plan lists per batch element and kv head (three int32 tables of
 # at most this many steps each, in SMEM); past it, a summary that varies over them is
 # merged over them (`_shared`): still exact, the mask_mod evaluated where any needs it.
-MAX_LISTED = 2**15
+MAX_LISTED = 2**13
 
 
 class Layout(NamedTuple):
