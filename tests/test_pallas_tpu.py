@@ -481,7 +481,8 @@ def test_every_entry_point_takes_kernels():
 def test_inside_a_users_shard_map():
     """In `jax.shard_map` (check_vma=True, the default) the kernels' outputs vary over the
     mesh axes their inputs vary over (a `pallas_call` must be told): values, gradients
-    and tangents, batch-sharded with segment ids, and the ring strategy (ALiBi, a bias)."""
+    and tangents, batch-sharded with segment ids, and the ring strategy (ALiBi, a bias;
+    a score_mod and a mask_mod at the pieces' global indices)."""
     from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
 
@@ -507,13 +508,15 @@ def test_inside_a_users_shard_map():
                                                        **PALLAS),
         mesh=mesh, in_specs=(seq,) * 3, out_specs=(seq, seq))
     _compare_on(ring, q, k, v, causal=True, alibi_slopes=slopes, bias=bias)
-    # A score_mod on the ring's pieces would need their global indices: not yet.
-    ring_mod = jax.shard_map(
-        lambda q, k, v: eqx_flash.ring_flash_attention(q, k, v, axis_name="x",
-                                                       score_mod=capped_distance, **PALLAS),
+    # A score_mod and a mask_mod on the ring's pieces see the whole sequence's indices
+    # (zigzag: two pieces per device, here chunks 0 and 1 of one device, the second at
+    # global indices past the first's; `sliding_prefix` reads them absolutely).
+    mods = dict(score_mod=capped_distance, mask_mod=sliding_prefix)
+    ring_mods = jax.shard_map(
+        lambda q, k, v: eqx_flash.ring_flash_attention(q, k, v, axis_name="x", causal=True,
+                                                       layout="zigzag", **mods, **PALLAS),
         mesh=mesh, in_specs=(seq,) * 3, out_specs=(seq, seq), check_vma=False)
-    with pytest.raises(NotImplementedError, match="ring's pieces"):
-        ring_mod(q, k, v)
+    _compare_on(ring_mods, q, k, v, causal=True, **mods)
 
 
 def _compare_on(attention, q, k, v, **options):

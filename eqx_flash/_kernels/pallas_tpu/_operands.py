@@ -185,6 +185,16 @@ class BlockOperands:
             jnp.int32, tuple(n if a == k_axis else 1 for a, n in enumerate(tile)), k_axis)
         return q_pos, k_pos
 
+    def global_indices(self, refs: Sequence[Any], group: int | None = None, keys: Any = None,
+                       queries: Any = None) -> tuple[Array, Array] | None:
+        """The tile's query and key indices in the whole sequence where the kernels see a
+        piece of it (the ring's `q_index`/`kv_index`, broadcastable to the tile as
+        `_value` gives them); None where the tile's own indices are the sequence's."""
+        if not any(side.name == "q_index" for side in self.sides):
+            return None
+        values = self._values(refs, group, keys, queries)
+        return values["q_index"], values["kv_index"]
+
     def alibi_distance(self, cfg: KernelConfig, refs: Sequence[Any], q_start: Array,
                        k_start: Array, tile: tuple[int, ...], group: int | None = None,
                        keys: Any = None, queries: Any = None) -> Array:
@@ -407,7 +417,8 @@ def prepare(cfg: KernelConfig, ops: Operands, heads: tuple[int, ...], v: Array |
     if positions or alibi == "positions":
         add("q_positions", ops.q_positions, True)
         add("kv_positions", ops.kv_positions, False)
-    if alibi == "global":
+    # The ring's global indices: ALiBi's distance and a score_mod / mask_mod read them.
+    if ops.q_index is not None and (alibi == "global" or cfg.mods is not None):
         add("q_index", ops.q_index, True)
         add("kv_index", ops.kv_index, False)
     tables: dict[str, Array] = {}

@@ -94,14 +94,20 @@ def _function(fn: ModFn) -> Callable[..., Any]:
 
 
 def _indices(bi: Array, head: Array | int, q_start: Array | int, k_start: Array | int,
-             shape: tuple[int, ...], transposed: bool) -> tuple[Array, ...]:
-    """`(batch, head, q_idx, kv_idx)` broadcasting against a tile of `shape`."""
+             shape: tuple[int, ...], transposed: bool,
+             given: tuple[Array, Array] | None = None) -> tuple[Array, ...]:
+    """`(batch, head, q_idx, kv_idx)` broadcasting against a tile of `shape`: the tile's
+    own indices from its first query and key, or the `given` ones (the ring's global
+    indices of its pieces)."""
     rows, cols = shape
     q_axis, k_axis = (1, 0) if transposed else (0, 1)
     q_shape = (1, cols) if transposed else (rows, 1)
     k_shape = (rows, 1) if transposed else (1, cols)
-    q_idx = q_start + jax.lax.broadcasted_iota(jnp.int32, q_shape, q_axis)
-    k_idx = k_start + jax.lax.broadcasted_iota(jnp.int32, k_shape, k_axis)
+    if given is not None:
+        q_idx, k_idx = given[0].reshape(q_shape), given[1].reshape(k_shape)
+    else:
+        q_idx = q_start + jax.lax.broadcasted_iota(jnp.int32, q_shape, q_axis)
+        k_idx = k_start + jax.lax.broadcasted_iota(jnp.int32, k_shape, k_axis)
     batch = jnp.full((1, 1), bi, jnp.int32)
     return batch, jnp.full((1, 1), head, jnp.int32), q_idx, k_idx
 
@@ -113,7 +119,8 @@ def _heads(groups: int, group: int | None) -> list[int]:
 
 def apply_score_mod(cfg: KernelConfig, units: float, s: Array, *, bi: Array, hi: Array,
                     groups: int, q_start: Array | int, k_start: Array | int,
-                    group: int | None = None, derivative: bool = False
+                    group: int | None = None, derivative: bool = False,
+                    indices: tuple[Array, Array] | None = None
                     ) -> tuple[Array, Array | None]:
     """The `score_mod` on the tile `s` of logits in `units` (natural logits times
     `units`): its value in the same units, and (with `derivative`) its derivative in the
@@ -126,7 +133,7 @@ def apply_score_mod(cfg: KernelConfig, units: float, s: Array, *, bi: Array, hi:
     transposed = group is not None
 
     def on_head(x: Array, h: int) -> tuple[Array, Array | None]:
-        idx = _indices(bi, hi * groups + h, q_start, k_start, x.shape, transposed)
+        idx = _indices(bi, hi * groups + h, q_start, k_start, x.shape, transposed, indices)
 
         def natural(x: Array) -> Array:
             if units == 1.0:
@@ -150,7 +157,8 @@ def apply_score_mod(cfg: KernelConfig, units: float, s: Array, *, bi: Array, hi:
 
 def apply_mask_mod(cfg: KernelConfig, bi: Array, hi: Array, groups: int,
                    q_start: Array | int, k_start: Array | int, shape: tuple[int, int],
-                   group: int | None = None) -> Array | None:
+                   group: int | None = None, indices: tuple[Array, Array] | None = None
+                   ) -> Array | None:
     """Which pairs of a tile the `mask_mod` keeps (None without one): `(g, n, cols)` for
     a folded tile of `shape` `(g * n, cols)` (the layout the kernels' masks broadcast
     in), or `shape` itself, `(keys, queries)`, for one query head `group`."""
@@ -162,7 +170,8 @@ def apply_mask_mod(cfg: KernelConfig, bi: Array, hi: Array, groups: int,
     rows = shape[0] if transposed else shape[0] // groups
 
     def on_head(h: int) -> Array:
-        idx = _indices(bi, hi * groups + h, q_start, k_start, (rows, shape[1]), transposed)
+        idx = _indices(bi, hi * groups + h, q_start, k_start, (rows, shape[1]), transposed,
+                       indices)
         return jnp.broadcast_to(mask_mod(*idx), (rows, shape[1]))
 
     parts = [on_head(h) for h in _heads(groups, group)]
@@ -176,11 +185,12 @@ def apply_mask_mod(cfg: KernelConfig, bi: Array, hi: Array, groups: int,
 
 def score_mod(cfg: KernelConfig, u: Units, *, bi: Array, hi: Array, groups: int,
               q_start: Array | int, k_start: Array | int, group: int | None = None,
-              derivative: bool = True) -> ScoreMod | None:
+              derivative: bool = True, indices: tuple[Array, Array] | None = None
+              ) -> ScoreMod | None:
     """The `score_mod` of one tile as `_tile.logits` takes it, with its derivative where
     asked (the backward and the tangent kernels); None without a score_mod."""
     if cfg.mods is None or cfg.mods.score is None:
         return None
     return functools.partial(apply_score_mod, cfg, u.before_cap, bi=bi, hi=hi, groups=groups,
                              q_start=q_start, k_start=k_start, group=group,
-                             derivative=derivative)
+                             derivative=derivative, indices=indices)

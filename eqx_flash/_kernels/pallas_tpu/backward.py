@@ -258,15 +258,16 @@ def _dkv_kernel(outer_ref, inner_ref, code_ref, *refs, cfg: KernelConfig,
                 term = add_terms(term, operands.pair_term(operand_refs, "bias", (bk, chunk),
                                                           group, queries=queries))
                 q_start = qb * bq + c * chunk
+                indices = operands.global_indices(operand_refs, group, queries=queries)
                 mod = score_mod(cfg, u, bi=bi, hi=hi, groups=g, q_start=q_start,
-                                k_start=j * bk, group=group)
+                                k_start=j * bk, group=group, indices=indices)
                 st, t, slope = logits(cfg, u, k, q, stat, term, mod)  # (bk, chunk)
                 mask = operands.mask(cfg, operand_refs, tables, bi, q_start,
                                      j * bk, (bk, chunk), positional, group,
                                      queries=queries)
                 if positional is not False or not listed:  # (see `_by_flag`)
                     mask = and_masks(mask, apply_mask_mod(cfg, bi, hi, g, q_start, j * bk,
-                                                          (bk, chunk), group))
+                                                          (bk, chunk), group, indices))
                 if mask is not None:
                     st = jnp.where(mask, st, -jnp.inf)
                 p = u.exp(st - lse_ref[group, 0:1, queries])
@@ -406,14 +407,16 @@ def _dq_kernel(outer_ref, inner_ref, code_ref, *refs, cfg: KernelConfig,
             term = per_head_term(operands.alibi_coefficients(
                 tables, bi, hi, pl.num_programs(1), g), distance)
         term = add_terms(term, operands.pair_term(operand_refs, "bias", (g, bq, bk)))
-        mod = score_mod(cfg, u, bi=bi, hi=hi, groups=g, q_start=i * bq, k_start=kb * bk)
+        indices = operands.global_indices(operand_refs)
+        mod = score_mod(cfg, u, bi=bi, hi=hi, groups=g, q_start=i * bq, k_start=kb * bk,
+                        indices=indices)
         sc, t, slope = logits(cfg, u, q_ref[...].reshape(rows, d), k_ref[...], stat, term,
                               mod)
         mask = operands.mask(cfg, operand_refs, tables, bi, i * bq, kb * bk, (1, bq, bk),
                              positional)
         if positional is not False or not listed:  # (see `_by_flag`)
             mask = and_masks(mask, apply_mask_mod(cfg, bi, hi, g, i * bq, kb * bk,
-                                                  (rows, bk)))
+                                                  (rows, bk), indices=indices))
         full_mask = None
         if mask is not None:
             full_mask = jnp.broadcast_to(mask, (g, bq, bk)).reshape(rows, bk)

@@ -42,7 +42,6 @@ def configure(call: Call, machine: Machine, split_k: bool) -> KernelConfig:
 
 def covers(cfg: KernelConfig, call: Call) -> str | None:
     """None where the kernels run `call`, else what they lack."""
-    mods = call.score_mod is not None or call.mask_mod is not None
     stat = stat_dtype(call.dtype)
     unsupported = [
         (cfg.split_k, "few queries against many keys (the xla family's split-K kernel)"),
@@ -50,7 +49,6 @@ def covers(cfg: KernelConfig, call: Call) -> str | None:
          is None, f"a block_mask built at blocks {call.block_mask} (neither dividing the "
          f"kernels' blocks {(cfg.block_q, cfg.block_k)} nor whole TPU tiles of 16 query "
          "rows and 128 keys)"),
-        (mods and call.pieces, "score_mod / mask_mod on the ring's pieces (global indices)"),
         (jnp.dtype(call.dtype) == jnp.float64, "float64 inputs (a TPU has no float64)"),
         (call.shapes.dim > MAX_DIM or call.shapes.dim_v > MAX_DIM,
          f"head dims above {MAX_DIM}"),

@@ -158,7 +158,9 @@ def _kernel(outer_ref, inner_ref, code_ref, *refs, cfg: KernelConfig,
             score_term = add_terms(score_term, operands.pair_term(
                 operand_refs, "bias", (g, bq, chunk), keys=keys))
             k_start = kb * bk + c * chunk
-            mod = score_mod(cfg, u, bi=bi, hi=hi, groups=g, q_start=i * bq, k_start=k_start)
+            indices = operands.global_indices(operand_refs, keys=keys)
+            mod = score_mod(cfg, u, bi=bi, hi=hi, groups=g, q_start=i * bq, k_start=k_start,
+                            indices=indices)
             sc, t, slope = logits(cfg, u, q, k, stat, score_term, mod)
             # dS in natural units: the queries carry `u.fold` of the scale.
             ds = None
@@ -180,7 +182,7 @@ def _kernel(outer_ref, inner_ref, code_ref, *refs, cfg: KernelConfig,
                                  (1, bq, chunk), positional, keys=keys)
             if positional is not False or not listed:  # (not on a block the summary fills)
                 mask = and_masks(mask, apply_mask_mod(cfg, bi, hi, g, i * bq, k_start,
-                                                      (rows, chunk)))
+                                                      (rows, chunk), indices=indices))
             if mask is not None:
                 full = jnp.broadcast_to(mask, (g, bq, chunk)).reshape(rows, chunk)
                 sc = jnp.where(full, sc, -jnp.inf)
