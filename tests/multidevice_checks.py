@@ -542,6 +542,18 @@ def _derivative_errors(name: str, expected_fn, fn, q, k, v, second_order: bool =
                                   strict=True)}
 
 
+def _reference_derivatives(expected: dict, reference: str | None, single, q, k, v,
+                           second_order: bool) -> tuple:
+    """The single-device `_derivatives` of a case: those of the case named `reference`
+    (in `expected`, by case name) where its single-device call is this one's, else
+    computed; cut to `_derivative_errors`' parts (an HVP only if `second_order`)."""
+    parts = 4 if second_order else 3
+    if reference is None:
+        return _derivatives(single, q, k, v, second_order)
+    assert len(expected[reference]) >= parts, (reference, "compared no HVP")
+    return expected[reference][:parts]
+
+
 def check_ulysses():
     """`sharded_flash_attention(strategy="ulysses")` against single-device
     `flash_attention` with every option at once (key mask, causal, window, softcap,
@@ -559,9 +571,11 @@ def check_ulysses():
         q_segment_ids=ids, kv_segment_ids=ids, kv_lengths=jnp.array([60, 50]),
         score_mod=lambda s, b, h, i, j: s + table[h] * 0.1 * (i - j),
         mask_mod=lambda b, h, i, j: (i + j + h) % 7 != 0, block_q=8, block_k=8)
-    results = {}
+    results, expected = {}, {}
 
-    def compare(name, mesh, heads, kv_heads, causal, lead=(B,), **axes):
+    def compare(name, mesh, heads, kv_heads, causal, lead=(B,), reference=None, **axes):
+        # `reference`: a case named already whose single-device call is this one's (the
+        # same inputs and options; only the mesh differs), its derivatives reused.
         q = jax.random.normal(keys[0], (*lead, heads, seq, D))
         k, v = (jax.random.normal(x, (*lead, kv_heads, seq, D)) for x in keys[1:3])
         extra = dict(bias=jax.random.normal(keys[5], (*lead, heads, seq, seq)),
@@ -576,8 +590,11 @@ def check_ulysses():
                 q, k, v, mesh=mesh, seq_axis="seq", strategy="ulysses", **axes, **options,
                 **extra)
 
-        results.update(_derivative_errors(name, single, ulysses, q, k, v,
-                                          name in SECOND_ORDER["ulysses"]))
+        second_order = name in SECOND_ORDER["ulysses"]
+        expected[name] = _reference_derivatives(expected, reference, single, q, k, v,
+                                                second_order)
+        results.update(_derivative_errors(name, single, ulysses, q, k, v, second_order,
+                                          expected[name]))
         text = jax.jit(ulysses).lower(q, k, v).as_text()
         results[f"{name}_all_to_all"] = text.count("all_to_all") + text.count("all-to-all")
 
@@ -588,7 +605,8 @@ def check_ulysses():
     grid = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "seq"))
     compare("batch_axis", grid, 4, 2, causal=True, batch_axis="data")
     heads_grid = Mesh(np.array(jax.devices()).reshape(2, 2), ("model", "seq"))
-    compare("head_axis", heads_grid, 8, 4, causal=True, head_axis="model")
+    compare("head_axis", heads_grid, 8, 4, causal=True, reference="gqa_divisible",
+            head_axis="model")
     # Two batch axes, the first sharded: the mods' flat batch index is global.
     options.update(score_mod=lambda s, b, h, i, j: s + table[h] * 0.1 * (i - j) + 0.2 * b,
                    mask_mod=lambda b, h, i, j: (i + j + h + b) % 7 != 0,
@@ -697,21 +715,43 @@ def check_ring_forward_mode():
     return results
 
 
+# The all_gather cases, in two checks of about equal cost (each its own subprocess, so
+# that the two test workers share them out): the sequence axis alone (and the batch axis
+# too, whose single-device call is `causal_everything`'s), and the heads and two batch
+# axes sharded with it.
+ALL_GATHER_CASES = {
+    "all_gather": ("causal_everything", "window", "full_cross", "batch_axis"),
+    "all_gather_sharded_axes": ("head_axis", "two_batch_axes"),
+}
+
+
 def check_all_gather():
+    return _all_gather(ALL_GATHER_CASES["all_gather"])
+
+
+def check_all_gather_sharded_axes():
+    return _all_gather(ALL_GATHER_CASES["all_gather_sharded_axes"])
+
+
+def _all_gather(cases: tuple[str, ...]) -> dict:
     """`sharded_flash_attention(strategy="all_gather")` against single-device
-    `flash_attention`, values, gradients, jvp (and an HVP: `SECOND_ORDER`): causal
-    (zigzag) and windowed with
+    `flash_attention`, values, gradients, jvp (and an HVP: `SECOND_ORDER`), for the
+    `cases` named: causal (zigzag) and windowed with
     GQA, key mask, segment ids, lengths, bias, ALiBi, sinks, a score_mod and mask_mod on
     global indices; full attention (contiguous) with seq_q != seq_k; batch and heads
     sharded over a 2 x 2 mesh (two batch axes, mods reading the batch and head); the
     program's all-gathers."""
     keys = jax.random.split(jax.random.key(5), 8)
     table = jax.random.normal(keys[3], (8,))
-    results = {}
+    results, expected = {}, {}
 
     def compare(name, seq_q, seq_k, mesh=None, lead=(B,), heads=H, kv_heads=KH, axes=None,
-                **options):
+                reference=None, **options):
         # (An HVP compiles the whole call twice over: `SECOND_ORDER` cases only.)
+        # `reference`: a case named already whose single-device call is this one's (the
+        # same inputs and options; only the mesh differs), its derivatives reused.
+        if name not in cases:
+            return
         q = jax.random.normal(keys[0], (*lead, heads, seq_q, D))
         k, v = (jax.random.normal(x, (*lead, kv_heads, seq_k, D)) for x in keys[1:3])
         options = dict(bias=jax.random.normal(keys[5], (*lead, heads, seq_q, seq_k)),
@@ -728,8 +768,11 @@ def check_all_gather():
                 q, k, v, mesh=mesh or _seq_mesh(4), seq_axis="seq", strategy="all_gather",
                 **(axes or {}), **options)
 
-        results.update(_derivative_errors(name, single, gathered, q, k, v,
-                                          name in SECOND_ORDER["all_gather"]))
+        second_order = name in SECOND_ORDER["all_gather"]
+        expected[name] = _reference_derivatives(expected, reference, single, q, k, v,
+                                                second_order)
+        results.update(_derivative_errors(name, single, gathered, q, k, v, second_order,
+                                          expected[name]))
         text = jax.jit(gathered).lower(q, k, v).as_text()
         results[f"{name}_all_gather"] = text.count("all_gather") + text.count("all-gather")
 
@@ -745,7 +788,8 @@ def check_all_gather():
     compare("window", seq, seq, window=(9, 3), softcap=3.0)
     compare("full_cross", 32, 64)
     grid = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "seq"))
-    compare("batch_axis", seq, seq, grid, axes=dict(batch_axis="data"), **everything)
+    compare("batch_axis", seq, seq, grid, axes=dict(batch_axis="data"),
+            reference="causal_everything", **everything)
     heads_grid = Mesh(np.array(jax.devices()).reshape(2, 2), ("model", "seq"))
     compare("head_axis", seq, seq, heads_grid, heads=8, kv_heads=4,
             axes=dict(head_axis="model"), **everything)

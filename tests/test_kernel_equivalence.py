@@ -41,17 +41,18 @@ def _inputs(seq_q, seq_k, heads, kv_heads, dtype, seed=0):
 
 
 def _keywords(spec, seq_q, seq_k, key):
+    # Masks and ids built in NumPy (eagerly in jax.numpy, each op compiled per shape).
     kw = dict(spec)
     if kw.pop("key_mask", False):
-        mask = jnp.arange(seq_k)[None, :] < jnp.array([[seq_k - 37], [seq_k // 3]])
+        mask = np.arange(seq_k)[None, :] < np.array([[seq_k - 37], [seq_k // 3]])
         # The second batch row masks a whole block range; the first row's last key too.
         kw["mask"] = mask
     segments = kw.pop("segments", False)
     if segments is True:
-        ids = (jnp.arange(seq_q) // 45).astype(jnp.int32)
-        kw["q_segment_ids"] = jnp.broadcast_to(ids, (2, seq_q))
-        kw["kv_segment_ids"] = jnp.broadcast_to((jnp.arange(seq_k) // 45).astype(jnp.int32),
-                                                (2, seq_k))
+        ids = (np.arange(seq_q) // 45).astype(np.int32)
+        kw["q_segment_ids"] = np.broadcast_to(ids, (2, seq_q))
+        kw["kv_segment_ids"] = np.broadcast_to((np.arange(seq_k) // 45).astype(np.int32),
+                                               (2, seq_k))
     elif segments:
         kw["q_segment_ids"], kw["kv_segment_ids"] = _segment_ids(segments, seq_q, seq_k)
     if kw.get("dropout_rate"):
@@ -61,21 +62,21 @@ def _keywords(spec, seq_q, seq_k, key):
 
 def _segment_ids(kind, seq_q, seq_k):
     """Integer ids `(batch, [heads,] seq)`; the two batch rows differ."""
-    qi, ki = jnp.arange(seq_q), jnp.arange(seq_k)
+    qi, ki = np.arange(seq_q), np.arange(seq_k)
     if kind == "sorted":  # documents of 20 and of 33 tokens
-        return (jnp.stack([qi // 20, qi // 33]).astype(jnp.int32),
-                jnp.stack([ki // 20, ki // 33]).astype(jnp.int32))
+        return (np.stack([qi // 20, qi // 33]).astype(np.int32),
+                np.stack([ki // 20, ki // 33]).astype(np.int32))
     if kind == "unsorted":  # ids recur far apart
-        return ((jnp.stack([qi * 7 % 5, qi % 3])).astype(jnp.int32),
-                (jnp.stack([ki * 7 % 5, ki % 3])).astype(jnp.int32))
+        return ((np.stack([qi * 7 % 5, qi % 3])).astype(np.int32),
+                (np.stack([ki * 7 % 5, ki % 3])).astype(np.int32))
     if kind == "per_head":  # (batch, heads=4, seq): each head its own document length
-        lengths = jnp.array([10, 25, 40, 200])[None, :, None]
-        offset = jnp.array([0, 3])[:, None, None]
-        return ((qi[None, None] + offset) // lengths).astype(jnp.int32), \
-            ((ki[None, None] + offset) // (lengths + 5)).astype(jnp.int32)
+        lengths = np.array([10, 25, 40, 200])[None, :, None]
+        offset = np.array([0, 3])[:, None, None]
+        return ((qi[None, None] + offset) // lengths).astype(np.int32), \
+            ((ki[None, None] + offset) // (lengths + 5)).astype(np.int32)
     assert kind == "rect"  # keys' documents are longer than the queries'
-    return (jnp.stack([qi // 25, qi // 50]).astype(jnp.int32),
-            jnp.stack([ki // 32, ki // 65]).astype(jnp.int32))
+    return (np.stack([qi // 25, qi // 50]).astype(np.int32),
+            np.stack([ki // 32, ki // 65]).astype(np.int32))
 
 
 def _loss(fn, kw):
@@ -113,9 +114,10 @@ def test_matches_plain(case):
 
 def test_fully_masked_rows():
     q, k, v, _ = _inputs(70, 70, 2, 2, jnp.float32)
-    mask = jnp.zeros((2, 70), bool).at[0, :10].set(True)  # batch 1 sees no key at all
-    seg_q = jnp.broadcast_to(jnp.where(jnp.arange(70) < 35, 1, 7), (2, 70)).astype(jnp.int32)
-    seg_k = jnp.broadcast_to(jnp.where(jnp.arange(70) < 35, 1, 2), (2, 70)).astype(jnp.int32)
+    mask = np.zeros((2, 70), bool)
+    mask[0, :10] = True  # batch 1 sees no key at all
+    seg_q = np.broadcast_to(np.where(np.arange(70) < 35, 1, 7), (2, 70)).astype(np.int32)
+    seg_k = np.broadcast_to(np.where(np.arange(70) < 35, 1, 2), (2, 70)).astype(np.int32)
     kw = dict(mask=mask, q_segment_ids=seg_q, kv_segment_ids=seg_k, causal=True)
     (_, (out, lse)), grads = _loss(_blocked(16, 16), kw)(q, k, v)
     assert np.all(np.asarray(out)[1] == 0) and np.all(np.isneginf(np.asarray(lse)[1]))
@@ -206,7 +208,7 @@ def test_one_inner_block_stays_off_the_outer_loop(kernel):
     from helpers import optimised_compilation
 
     inner, outer = 64, 8 * 64  # one inner block against 8 outer ones
-    positions = jnp.arange(outer, dtype=jnp.int32)[None]
+    positions = np.arange(outer, dtype=np.int32)[None]
     if kernel == "forward":  # queries outer, a causal band on positions skips some
         q, k, v = qkv(jax.random.key(0), (1, 1, outer, 16), (1, 1, inner, 16))
         kw = dict(q_positions=positions, kv_positions=positions[:, :inner])
@@ -227,5 +229,5 @@ def test_one_inner_block_stays_off_the_outer_loop(kernel):
         products = [line for line in body if " dot(" in line or "kind=kCustom" in line]
         assert not products, products
     # And the results are right.
-    expected = plain_attention(q, k, v, causal=True, **kw)[0]
-    assert_close(attend(q, k, v), expected)
+    expected = jax.jit(lambda q, k, v: plain_attention(q, k, v, causal=True, **kw)[0])(q, k, v)
+    assert_close(jax.jit(attend)(q, k, v), expected)

@@ -71,7 +71,9 @@ def test_matches_the_float64_reference(case):
     plain_out, plain_lse = eqx_flash.flash_attention(q, k, v, **kw, **BLOCKS)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(plain_out))
     np.testing.assert_array_equal(np.asarray(lse), np.asarray(plain_lse))
-    *_, ref_top = eqx_flash.plain_attention(q, k, v, return_max_scores=True, **kw)
+    # (Compiled whole: eagerly each of its ops was a program.)
+    *_, ref_top = jax.jit(functools.partial(eqx_flash.plain_attention, return_max_scores=True,
+                                            **kw))(q, k, v)
     _assert_max_close(ref_top, _oracle_max(q, k, **kw))
 
 
@@ -86,8 +88,9 @@ def test_float64_inputs_give_float64_max_scores():
 
 def test_sinks_are_excluded_and_empty_rows_are_minus_inf():
     q, k, v = qkv(2, (B, H, SQ, D), (B, KH, SK, D))
-    mask = jnp.ones((B, SK), bool).at[1].set(False)
-    *_, top = eqx_flash.flash_attention(q, k, v, mask, sinks=jnp.full((H,), 50.0),
+    mask = np.ones((B, SK), bool)
+    mask[1] = False
+    *_, top = eqx_flash.flash_attention(q, k, v, mask, sinks=np.full((H,), 50.0, np.float32),
                                         return_max_scores=True, **BLOCKS)
     *_, no_sink = eqx_flash.flash_attention(q, k, v, mask, return_max_scores=True, **BLOCKS)
     np.testing.assert_array_equal(np.asarray(top), np.asarray(no_sink))
@@ -128,19 +131,23 @@ def test_no_derivative_flows_and_other_derivatives_are_unchanged():
     q, k, v = qkv(5, (B, H, SQ, D), (B, KH, SK, D))
     fn = functools.partial(eqx_flash.flash_attention, causal=True, return_max_scores=True,
                            **BLOCKS)
-    grads = jax.grad(lambda q, k: jnp.sum(fn(q, k, v)[2]), argnums=(0, 1))(q, k)
-    assert all(np.all(np.asarray(g) == 0) for g in grads)
 
     def loss(q, k, v, asked):
         out, lse, *_ = eqx_flash.flash_attention(q, k, v, causal=True,
                                                  return_max_scores=asked, **BLOCKS)
         return jnp.sum(out**2) + jnp.sum(lse)
 
-    with_max = jax.grad(functools.partial(loss, asked=True), argnums=(0, 1, 2))(q, k, v)
-    without = jax.grad(functools.partial(loss, asked=False), argnums=(0, 1, 2))(q, k, v)
+    @jax.jit
+    def derivatives(q, k, v):  # one program (eagerly, each op of each was one)
+        return (jax.grad(lambda q, k: jnp.sum(fn(q, k, v)[2]), argnums=(0, 1))(q, k),
+                jax.grad(functools.partial(loss, asked=True), argnums=(0, 1, 2))(q, k, v),
+                jax.grad(functools.partial(loss, asked=False), argnums=(0, 1, 2))(q, k, v),
+                jax.jvp(lambda q: fn(q, k, v), (q,), (jnp.ones_like(q),))[1])
+
+    grads, with_max, without, tangents = derivatives(q, k, v)
+    assert all(np.all(np.asarray(g) == 0) for g in grads)
     for a, b in zip(with_max, without, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    tangents = jax.jvp(lambda q: fn(q, k, v), (q,), (jnp.ones_like(q),))[1]
     assert np.all(np.asarray(tangents[2]) == 0) and np.any(np.asarray(tangents[0]) != 0)
 
 
@@ -149,8 +156,9 @@ def test_transforms():
     fn = functools.partial(eqx_flash.flash_attention, causal=True, return_max_scores=True,
                            **BLOCKS)
     expected = fn(q, k, v)[2]
-    for got in (jax.jit(fn)(q, k, v)[2], jax.vmap(fn)(q, k, v)[2],
-                jax.checkpoint(fn)(q, k, v)[2]):
+    # jit, and vmap and checkpoint compiled whole (eagerly, each op was a program).
+    for got in (jax.jit(fn)(q, k, v)[2], jax.jit(jax.vmap(fn))(q, k, v)[2],
+                jax.jit(jax.checkpoint(fn))(q, k, v)[2]):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
 
 
@@ -177,10 +185,10 @@ def test_ring_on_one_device():
     seq = PartitionSpec(None, None, "seq")
     lse_spec = PartitionSpec(None, None, "seq")
     mesh = Mesh(np.array(jax.devices()[:1]), ("seq",))
-    ring = jax.shard_map(
+    ring = jax.jit(jax.shard_map(
         lambda q, k, v: eqx_flash.ring_flash_attention(
             q, k, v, axis_name="seq", causal=True, return_max_scores=True, **BLOCKS),
-        mesh=mesh, in_specs=(seq, seq, seq), out_specs=(seq, lse_spec, lse_spec))
+        mesh=mesh, in_specs=(seq, seq, seq), out_specs=(seq, lse_spec, lse_spec)))
     _assert_max_close(ring(q, k, v)[2], _oracle_max(q, k, causal=True))
     *_, top = eqx_flash.sharded_flash_attention(q, k, v, mesh=mesh, seq_axis="seq",
                                                 causal=True, return_max_scores=True)

@@ -8,32 +8,39 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import qkv
+from helpers import seeded_normal, seeded_qkv
 
 import eqx_flash
 from eqx_flash._kernels.xla import policy
 
 
 def _results(q, k, v, **kw):
+    """Values, gradients and a tangent, as one compiled program (traced afresh on each
+    call, so under the policy in force then)."""
     fn = functools.partial(eqx_flash.flash_attention, **kw)
-    value = fn(q, k, v)
-    grads = jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v)[0] ** 2), argnums=(0, 1, 2))(q, k, v)
-    tangent = jax.jvp(lambda q: fn(q, k, v), (q,), (jnp.ones_like(q),))[1]
-    return value, grads, tangent
+
+    def results(q, k, v):
+        value = fn(q, k, v)
+        grads = jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v)[0] ** 2), argnums=(0, 1, 2))(
+            q, k, v)
+        tangent = jax.jvp(lambda q: fn(q, k, v), (q,), (jnp.ones_like(q),))[1]
+        return value, grads, tangent
+
+    return jax.jit(results)(q, k, v)
 
 
 @pytest.mark.parametrize("kind", ["causal_gqa", "decode", "bias_segment_ids"])
 def test_vmapped_heads_equal_the_loop(monkeypatch, kind):
     if kind == "decode":  # one query against many keys: split-K reads the cache whole
-        q, k, v = qkv(0, (2, 4, 1, 16), (2, 2, 2048, 16))
-        kw = dict(kv_lengths=jnp.array([2000, 70]))
+        q, k, v = seeded_qkv((2, 4, 1, 16), (2, 2, 2048, 16))
+        kw = dict(kv_lengths=np.array([2000, 70]))
     elif kind == "causal_gqa":
-        q, k, v = qkv(1, (2, 4, 40, 16), (2, 2, 40, 16))
+        q, k, v = seeded_qkv((2, 4, 40, 16), (2, 2, 40, 16))
         kw = dict(causal=True, block_q=16, block_k=16)
     else:
-        q, k, v = qkv(2, (2, 4, 40, 16), (2, 4, 40, 16))
-        ids = jnp.asarray(np.arange(40) // 13)[None].repeat(2, 0)
-        kw = dict(bias=jax.random.normal(jax.random.key(3), (4, 40, 40)), q_segment_ids=ids,
+        q, k, v = seeded_qkv((2, 4, 40, 16), (2, 4, 40, 16))
+        ids = (np.arange(40) // 13)[None].repeat(2, 0)
+        kw = dict(bias=seeded_normal(3, (4, 40, 40)), q_segment_ids=ids,
                   kv_segment_ids=ids, block_q=16, block_k=16)
     looped = _results(q, k, v, **kw)
     monkeypatch.setattr(policy, "heads_in_parallel", lambda machine: True)

@@ -32,7 +32,7 @@ def _assert_grads_close(got, expected, rtol=1e-4, atol=1e-4):
             assert g is None
             continue
         assert g.shape == e.shape and g.dtype == e.dtype, name
-        scale = max(float(jnp.max(jnp.abs(e.astype(jnp.float32)))), 1.0)
+        scale = max(float(np.max(np.abs(np.asarray(e, np.float32)))), 1.0)
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(e, np.float32),
                                    rtol=rtol, atol=atol * scale, err_msg=name)
 
@@ -67,7 +67,7 @@ def test_bias_matches_reference(bias_shape, causal):
 @pytest.mark.parametrize("slopes_shape", [(H,), (B, H), (1, H)], ids=str)
 def test_alibi_matches_reference(slopes_shape):
     q, k, v = _qkv()
-    slopes = jnp.abs(seeded_normal(6, slopes_shape)) * 0.3
+    slopes = np.abs(np.asarray(seeded_normal(6, slopes_shape))) * np.float32(0.3)
     got = _values_and_grads(lambda *a, **kw: flash_attention(*a, **BLOCKS, **kw),
                             q, k, v, None, slopes, window=(20, 5))
     expected = _values_and_grads(plain_attention, q, k, v, None, slopes, window=(20, 5))
@@ -80,12 +80,13 @@ def test_alibi_definition():
     """`-slope * |i + seq_k - seq_q - j|`, FlashAttention-2's definition, equals the same
     bias written out."""
     q, k, v = _qkv()
-    slopes = jnp.asarray([0.5, 0.25, 0.125, 0.0625])
-    i = jnp.arange(SQ)[:, None]
-    j = jnp.arange(SK)[None, :]
-    bias = -slopes[:, None, None] * jnp.abs(i + SK - SQ - j).astype(jnp.float32)[None]
-    out, lse = flash_attention(q, k, v, alibi_slopes=slopes, causal=True, **BLOCKS)
-    ref_out, ref_lse = flash_attention(q, k, v, bias=bias, causal=True, **BLOCKS)
+    slopes = np.asarray([0.5, 0.25, 0.125, 0.0625], np.float32)
+    i = np.arange(SQ)[:, None]
+    j = np.arange(SK)[None, :]
+    bias = -slopes[:, None, None] * np.abs(i + SK - SQ - j).astype(np.float32)[None]
+    (out, lse), (ref_out, ref_lse) = jax.jit(lambda q, k, v, slopes, bias: (
+        flash_attention(q, k, v, alibi_slopes=slopes, causal=True, **BLOCKS),
+        flash_attention(q, k, v, bias=bias, causal=True, **BLOCKS)))(q, k, v, slopes, bias)
     np.testing.assert_allclose(out, ref_out, atol=2e-6)
     np.testing.assert_allclose(lse, ref_lse, atol=2e-6)
 
@@ -127,7 +128,7 @@ def test_against_jax_nn():
     expected = jax.jit(jax.value_and_grad(theirs, argnums=(0, 1, 2, 3)))(q, k, v, bias)
     np.testing.assert_allclose(got[0], expected[0], rtol=1e-5)
     for g, e in zip(got[1], expected[1], strict=True):
-        np.testing.assert_allclose(g, e, atol=2e-5 * max(float(jnp.abs(e).max()), 1.0))
+        np.testing.assert_allclose(g, e, atol=2e-5 * max(float(np.abs(np.asarray(e)).max()), 1.0))
 
 
 @pytest.mark.parametrize("bias_dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
@@ -135,8 +136,9 @@ def test_bias_dtype_kept(bias_dtype):
     """The bias may have any float dtype; its cotangent comes back in that dtype."""
     q, k, v = _qkv()
     bias = seeded_normal(12, (SQ, SK), bias_dtype)
-    grad = jax.grad(lambda b: flash_attention(q, k, v, bias=b, **BLOCKS)[0].sum())(bias)
-    ref = jax.grad(lambda b: plain_attention(q, k, v, bias=b)[0].sum())(bias)
+    grad, ref = jax.jit(lambda b: (
+        jax.grad(lambda b: flash_attention(q, k, v, bias=b, **BLOCKS)[0].sum())(b),
+        jax.grad(lambda b: plain_attention(q, k, v, bias=b)[0].sum())(b)))(bias)
     assert grad.dtype == bias_dtype and grad.shape == bias.shape
     np.testing.assert_allclose(np.asarray(grad, np.float32), np.asarray(ref, np.float32),
                                atol=2e-2, rtol=2e-2)
@@ -146,27 +148,34 @@ def test_minus_inf_bias_empties_rows():
     """A bias of -inf over a whole row behaves as a mask: out 0, lse -inf, finite zero
     gradients."""
     q, k, v = _qkv()
-    bias = jnp.zeros((SQ, SK)).at[3].set(-jnp.inf)
-    out, lse = flash_attention(q, k, v, bias=bias, **BLOCKS)
-    assert np.all(np.asarray(out[:, :, 3]) == 0) and np.all(np.isneginf(lse[:, :, 3]))
-    grads = jax.grad(lambda q, k, v: flash_attention(q, k, v, bias=bias, **BLOCKS)[0].sum(),
-                     argnums=(0, 1, 2))(q, k, v)
-    assert all(bool(jnp.all(jnp.isfinite(g))) for g in grads)
-    assert np.all(np.asarray(grads[0][:, :, 3]) == 0)
+    bias = np.zeros((SQ, SK), np.float32)
+    bias[3] = -np.inf
+
+    @jax.jit
+    def values_and_grads(q, k, v, bias):
+        return flash_attention(q, k, v, bias=bias, **BLOCKS), jax.grad(
+            lambda q, k, v: flash_attention(q, k, v, bias=bias, **BLOCKS)[0].sum(),
+            argnums=(0, 1, 2))(q, k, v)
+
+    (out, lse), grads = values_and_grads(q, k, v, bias)
+    assert np.all(np.asarray(out)[:, :, 3] == 0) and np.all(np.isneginf(np.asarray(lse)[:, :, 3]))
+    assert all(np.all(np.isfinite(np.asarray(g))) for g in grads)
+    assert np.all(np.asarray(grads[0])[:, :, 3] == 0)
 
 
 def test_causal_flash_attention_and_transforms():
     q, k, v = _qkv()
     bias = seeded_normal(13, (B, H, SQ, SK))
-    slopes = jnp.asarray([0.3, 0.2, 0.1, 0.05])
+    slopes = np.asarray([0.3, 0.2, 0.1, 0.05], np.float32)
     out, _ = causal_flash_attention(q, k, v, bias=bias, alibi_slopes=slopes, **BLOCKS)
-    ref, _ = plain_attention(q, k, v, bias=bias, alibi_slopes=slopes, causal=True)
+    ref, _ = jax.jit(lambda q, k, v, bias: plain_attention(
+        q, k, v, bias=bias, alibi_slopes=slopes, causal=True))(q, k, v, bias)
     assert_close(out, ref)
     # vmap over the batch, mapping the bias with it, equals the batched call
-    mapped = jax.vmap(
+    mapped = jax.jit(jax.vmap(
         lambda q, k, v, b: causal_flash_attention(q, k, v, bias=b, alibi_slopes=slopes,
                                                   **BLOCKS)[0]
-    )(q, k, v, bias)
+    ))(q, k, v, bias)
     np.testing.assert_allclose(mapped, out, atol=2e-6)
 
 
@@ -201,8 +210,8 @@ def test_gradients_of_some_arguments_only(argnums):
     """A bias or slopes with no tangent (constants) skip their cotangent accumulation in
     the backward kernel: what is asked for is the same as when everything is."""
     q, k, v = _qkv()
-    bias = 0.5 * seeded_normal(5, (H, SQ, SK))
-    slopes = 2.0 ** -jnp.arange(1.0, H + 1)
+    bias = seeded_normal(5, (H, SQ, SK)) * np.float32(0.5)
+    slopes = (2.0 ** -np.arange(1.0, H + 1)).astype(np.float32)
 
     def loss(fn):
         def f(*args):
@@ -212,7 +221,7 @@ def test_gradients_of_some_arguments_only(argnums):
 
     args = (q, k, v, bias, slopes)
     got = jax.jit(jax.grad(loss(flash_attention), argnums=argnums))(*args)
-    expected = jax.grad(loss(plain_attention), argnums=argnums)(*args)
+    expected = jax.jit(jax.grad(loss(plain_attention), argnums=argnums))(*args)
     for g, e in zip(got, expected, strict=True):
-        scale = max(float(jnp.max(jnp.abs(e))), 1.0)
+        scale = max(float(np.max(np.abs(np.asarray(e)))), 1.0)
         np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-4, atol=1e-4 * scale)

@@ -33,11 +33,15 @@ TRANSFORMS = ("jit", "grad", "value_and_grad", "vjp", "linearize", "jvp", "check
 
 def _operand(name, seed):
     shape = OPERANDS[name]
+    # Built in NumPy and put on the device (eager jax.numpy compiled a program per op).
     if name in ("mask", "attn_mask"):
-        return jnp.asarray(np.random.default_rng(seed).random(shape) < 0.8).at[..., 0].set(True)
+        mask = np.random.default_rng(seed).random(shape) < 0.8
+        mask[..., 0] = True
+        return jax.device_put(mask)
     if name == "segment_ids":
-        return jnp.asarray(np.sort(np.random.default_rng(seed).integers(0, 3, shape)), jnp.int32)
-    return 0.5 * seeded_normal(seed, shape)
+        return jax.device_put(
+            np.sort(np.random.default_rng(seed).integers(0, 3, shape)).astype(np.int32))
+    return jax.device_put(np.float32(0.5) * np.asarray(seeded_normal(seed, shape)))
 
 
 def _keywords(name, x):
@@ -64,13 +68,18 @@ def _batched(x, mapped_outer, mapped_inner, seed):
     lead = (OUTER,) * mapped_outer + (INNER,) * mapped_inner
     if not lead:
         return x
-    if x.dtype == jnp.float32:
-        return 0.5 * seeded_normal(seed, (*lead, *x.shape)) + x[(None,) * len(lead)]
-    return jnp.broadcast_to(x, (*lead, *x.shape))
+    # (In NumPy, as `_operand`.)
+    x = np.asarray(x)
+    if x.dtype == np.float32:
+        fresh = np.float32(0.5) * np.asarray(seeded_normal(seed, (*lead, *x.shape)))
+        return jax.device_put(fresh + x[(None,) * len(lead)])
+    return jax.device_put(np.broadcast_to(x, (*lead, *x.shape)))
 
 
-def _transformed(transform, f, args, tangents, weights):
-    """What `transform` gives for `f` at `args`: values and derivatives, as a flat list."""
+def _transformed(transform, f, args, tangents, weights, eager=True):
+    """What `transform` gives for `f` at `args`: values and derivatives, as a flat list.
+    `jax.vjp`, `jax.linearize` and `jax.jvp` run eagerly (where the reported bug was),
+    unless not `eager` (the reference: one compiled program, not one per op)."""
     diff = tuple(args[:3])
     rest = args[3:]
 
@@ -90,15 +99,19 @@ def _transformed(transform, f, args, tangents, weights):
         return [value, *grads]
     if transform == "checkpoint":
         return list(jax.jit(jax.grad(jax.checkpoint(loss), argnums=(0, 1, 2)))(*diff))
-    if transform == "vjp":
-        outputs, vjp = jax.vjp(g, *diff)
-        return [*outputs, *vjp(weights)]
-    if transform == "linearize":
-        outputs, lin = jax.linearize(g, *diff)
-        return [*outputs, *lin(*tangents)]
-    assert transform == "jvp"
-    outputs, d_outputs = jax.jvp(g, diff, tangents)
-    return [*outputs, *d_outputs]
+
+    def run(*diff):
+        if transform == "vjp":
+            outputs, vjp = jax.vjp(g, *diff)
+            return [*outputs, *vjp(weights)]
+        if transform == "linearize":
+            outputs, lin = jax.linearize(g, *diff)
+            return [*outputs, *lin(*tangents)]
+        assert transform == "jvp"
+        outputs, d_outputs = jax.jvp(g, diff, tangents)
+        return [*outputs, *d_outputs]
+
+    return run(*diff) if eager else jax.jit(run)(*diff)
 
 
 def _check(transform, name, axes):
@@ -118,7 +131,7 @@ def _check(transform, name, axes):
     weights = tuple(seeded_normal(20 + n, s.shape) for n, s in enumerate(out_shape))
     tangents = tuple(seeded_normal(30 + n, x.shape) for n, x in enumerate(args[:3]))
     got = _transformed(transform, flash, args, tangents, weights)
-    want = _transformed(transform, plain, args, tangents, weights)
+    want = _transformed(transform, plain, args, tangents, weights, eager=False)
     for n, (a, b) in enumerate(zip(got, want, strict=True)):
         assert a.shape == b.shape, (n, a.shape, b.shape)
         assert_close(a, b, kind="grad", scale=4.0, name=f"{transform} result {n}")

@@ -9,11 +9,14 @@ of zero tokens returns an empty output and the cache unchanged; `make_block_mask
 `outs`, and of empty rows returns them empty.
 """
 
+import functools
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import seeded_qkv
 
 import eqx_flash
 
@@ -27,10 +30,8 @@ FUNCTIONS = {
 
 
 def _qkv(batch, heads, kv_heads, seq_q, seq_k, dim=D):
-    kq, kk, kv = jax.random.split(jax.random.key(0), 3)
-    return (jax.random.normal(kq, (*batch, heads, seq_q, dim)),
-            jax.random.normal(kk, (*batch, kv_heads, seq_k, dim)),
-            jax.random.normal(kv, (*batch, kv_heads, seq_k, dim)))
+    # Drawn by NumPy: `jax.random` compiled three programs per shape.
+    return seeded_qkv((*batch, heads, seq_q, dim), (*batch, kv_heads, seq_k, dim))
 
 
 EMPTY = {  # (batch, heads, kv_heads, seq_q, seq_k): empty out and lse of q's rows
@@ -59,12 +60,14 @@ def test_no_query_rows_give_empty_results(fn, case):
     out, lse = FUNCTIONS[fn](q, k, v)
     assert out.shape == (*batch, heads, seq_q, D) and out.dtype == q.dtype
     assert lse.shape == (*batch, heads, seq_q) and lse.dtype == jnp.float32
-    ref_out, ref_lse = eqx_flash.plain_attention(q, k, v)
+    ref_out, ref_lse = jax.eval_shape(eqx_flash.plain_attention, q, k, v)
     assert (ref_out.shape, ref_lse.shape) == (out.shape, lse.shape)
-    grads = jax.grad(lambda q, k, v: jnp.sum(FUNCTIONS[fn](q, k, v)[0]), argnums=(0, 1, 2))(
-        q, k, v)
+    # Gradients and the jitted call as one program (eagerly each op of the backward
+    # compiled its own).
+    grads, (jitted, _) = jax.jit(lambda q, k, v: (
+        jax.grad(lambda q, k, v: jnp.sum(FUNCTIONS[fn](q, k, v)[0]), argnums=(0, 1, 2))(
+            q, k, v), FUNCTIONS[fn](q, k, v)))(q, k, v)
     assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
-    jitted, _ = jax.jit(FUNCTIONS[fn])(q, k, v)
     assert jitted.shape == out.shape
 
 
@@ -86,11 +89,12 @@ def test_size_one_axes_match_plain_attention(fn, case):
         q, k, v = q[0], k[0], v[0]
     out, lse = FUNCTIONS[fn](q, k, v)
     if fn == "cosine_sim_flash_attention":
-        norm = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
-        ref_out, ref_lse = eqx_flash.plain_attention(norm(q), norm(k), v, scale=10.0)
-    else:
-        ref_out, ref_lse = eqx_flash.plain_attention(
-            q, k, v, causal=fn == "causal_flash_attention")
+        norm = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
+        q, k = norm(np.asarray(q)), norm(np.asarray(k))
+    # The reference compiled whole (eagerly, each op was a program).
+    ref_out, ref_lse = jax.jit(functools.partial(
+        eqx_flash.plain_attention, causal=fn == "causal_flash_attention",
+        scale=10.0 if fn == "cosine_sim_flash_attention" else None))(q, k, v)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=1e-5, rtol=1e-5)
 
@@ -149,13 +153,16 @@ def test_make_block_mask():
 
 
 def test_merge_attention():
+    def ones(shape):
+        return np.ones(shape, np.float32)
+
     with pytest.raises(ValueError, match="outs"):
-        eqx_flash.merge_attention(jnp.ones((0, 2, 3, 4)), jnp.ones((0, 2, 3)))
-    out, lse = eqx_flash.merge_attention(jnp.ones((2, 2, 0, 4)), jnp.ones((2, 2, 0)))
+        eqx_flash.merge_attention(ones((0, 2, 3, 4)), ones((0, 2, 3)))
+    out, lse = eqx_flash.merge_attention(ones((2, 2, 0, 4)), ones((2, 2, 0)))
     assert out.shape == (2, 0, 4) and lse.shape == (2, 0)
-    out, lse = eqx_flash.merge_attention(jnp.ones((2, 0, 3, 4)), jnp.ones((2, 0, 3)))
+    out, lse = eqx_flash.merge_attention(ones((2, 0, 3, 4)), ones((2, 0, 3)))
     assert out.shape == (0, 3, 4) and lse.shape == (0, 3)
-    one_out, one_lse = jnp.full((1, 1, 1, 4), 2.0), jnp.full((1, 1, 1), 0.5)
+    one_out, one_lse = 2 * ones((1, 1, 1, 4)), 0.5 * ones((1, 1, 1))
     out, lse = eqx_flash.merge_attention(one_out, one_lse)
     np.testing.assert_allclose(np.asarray(out), np.asarray(one_out[0]))
     np.testing.assert_allclose(np.asarray(lse), np.asarray(one_lse[0]))
