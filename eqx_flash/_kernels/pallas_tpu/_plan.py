@@ -108,8 +108,9 @@ def _listed(nonempty: np.ndarray, whole: np.ndarray, summary: Array | np.ndarray
     bound = np.sum(nonempty if xp is jnp else visit, axis=-1).reshape(-1, n_outer)
     widths = [max(int(w), 1) for w in bound.max(axis=0, initial=0)]
     # A stable sort of "not visited" puts a row's visited blocks first, in order.
-    order = xp.argsort(xp.logical_not(visit).astype(np.int8), axis=-1,
-                       stable=True).astype(np.int32)
+    unvisited = xp.logical_not(visit).astype(np.int8)
+    order = (np.argsort(unvisited, axis=-1, kind="stable") if xp is np
+             else jnp.argsort(unvisited, axis=-1, stable=True)).astype(np.int32)
     outer, inner, code = [], [], []
     for o, width in enumerate(widths):
         n = count[..., o:o + 1]
