@@ -8,6 +8,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from helpers import capped_distance, sliding_prefix
 
@@ -141,3 +142,26 @@ def test_score_and_mask_mods_lower_to_mosaic_kernels(blocks):
                 exported = jax.export.export(jax.jit(fn), platforms=("tpu",))(q, kv, kv)
                 assert exported.mlir_module().count("tpu_custom_call") == kernels, (
                     options, fn.__name__)
+
+
+def test_mods_on_the_ring_lower_to_mosaic_kernels():
+    """A score_mod and a mask_mod on the ring's pieces (zigzag: two pieces per device,
+    read at their global indices) run in Mosaic kernels: the forward of the three causal
+    piece pairs exports to three, its gradient to three more (the fused backward)."""
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    from eqx_flash import ring_flash_attention
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("x",))
+    seq = P(None, None, "x")
+    ring = jax.shard_map(
+        lambda q, k, v: ring_flash_attention(q, k, v, axis_name="x", causal=True,
+                                             layout="zigzag", score_mod=capped_distance,
+                                             mask_mod=sliding_prefix, **PALLAS),
+        mesh=mesh, in_specs=(seq,) * 3, out_specs=(seq, seq), check_vma=False)
+    q = jax.ShapeDtypeStruct((2, 2, 256, 64), jnp.bfloat16)
+    grad = jax.grad(functools.partial(_loss, ring), argnums=(0, 1, 2))
+    for fn, kernels in ((ring, 3), (grad, 6)):
+        exported = jax.export.export(jax.jit(fn), platforms=("tpu",))(q, q, q)
+        assert exported.mlir_module().count("tpu_custom_call") == kernels
