@@ -15,7 +15,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, assert_lse_close, capped_distance, qkv, sliding_prefix
+from helpers import (
+    assert_close,
+    assert_lse_close,
+    capped_distance,
+    examples,
+    qkv,
+    sliding_prefix,
+)
+from hypothesis import given
 
 import eqx_flash
 from eqx_flash import flash_attention, plain_attention
@@ -25,6 +33,7 @@ from eqx_flash._kernels.pallas_tpu import _plan
 from eqx_flash._kernels.pallas_tpu._plan import FIRST, FLAG, LAST, backward_plan, forward_plan
 from eqx_flash._kernels.schedule import static_flags
 from eqx_flash._mods.block_mask import EMPTY, FULL, PARTIAL, KnownSummary
+from eqx_flash.testing import attention_inputs, check_attention
 
 # Compiled on a TPU, interpreted elsewhere: part of the accelerator set too.
 pytestmark = pytest.mark.accelerator
@@ -535,3 +544,24 @@ def _compare_on(attention, q, k, v, **options):
     tangent = jax.jit(lambda q: jax.jvp(lambda q: attention(q, k, v)[0], (q,), (v,))[1])(q)
     ref = jax.jit(lambda q: jax.jvp(lambda q: reference(q, k, v)[0], (q,), (v,))[1])(q)
     assert_close(tangent, ref, kind="grad", name="jvp")
+
+
+@examples(5)  # each example interprets the kernels: a few, over every option at once
+@given(inputs=attention_inputs(dtypes=(jnp.float32,), max_seq=160, dims=(16, 32),
+                               bias=None, alibi=None, sinks=None, lengths=None,
+                               positions=None, score_mod=None, mask_mod=None))
+def test_property_against_reference(inputs):
+    """Drawn shapes, blocks, masks, causal, windows, segment ids, lengths, positions, a
+    bias, ALiBi, sinks and the strategy's score_mods and mask_mods, each at random: the
+    Pallas kernels give the reference's values, lse, gradients and jvp wherever they
+    cover the call, and where they do not, an explicit request raises naming what they
+    lack (`kernel_family` says the same)."""
+    family, reason = eqx_flash.kernel_family(inputs.q, inputs.k, inputs.v, **inputs.kwargs,
+                                             kernels="pallas_tpu")
+    pallas = functools.partial(flash_attention, kernels="pallas_tpu")
+    if family is None:
+        with pytest.raises(NotImplementedError, match="pallas_tpu"):
+            pallas(inputs.q, inputs.k, inputs.v, **inputs.kwargs)
+        assert reason
+        return
+    check_attention(pallas, inputs, jvp=True)

@@ -28,7 +28,7 @@ from .._core.operands import (
     combine,
     constant_part,
     differentiable_part,
-    pad_axis,
+    pad_sequence,
     padded,
     replace,
 )
@@ -170,8 +170,8 @@ def _blockwise(q, k, v, ops: Operands, *, cfg: KernelConfig, shapes: Shapes,
         q, k, v = valid_rows(q, k, v, ops, cfg.seq_q, cfg.seq_k)
     compute = dtype if cfg.compute_dtype is None else cfg.compute_dtype
     seq_q_pad, seq_k_pad = cfg.padded_seq
-    q = pad_axis(q.astype(compute), 3, seq_q_pad)
-    k, v = (pad_axis(x.astype(compute), 2, seq_k_pad) for x in (k, v))
+    q = pad_sequence(q.astype(compute), 3, seq_q_pad)
+    k, v = (pad_sequence(x.astype(compute), 2, seq_k_pad) for x in (k, v))
     ops = padded(ops, seq_q_pad, seq_k_pad)
     # `functools.partial(jax.custom_jvp, ...)` hides the return type from type checkers.
     sinks, ops = ops.sinks, replace(ops, sinks=None)

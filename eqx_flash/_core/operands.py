@@ -210,6 +210,16 @@ def pad_axis(x: Array, axis: int, size: int) -> Array:
     return jnp.pad(x, widths)
 
 
+def pad_sequence(x: Array, axis: int, size: int) -> Array:
+    """q, k or v zero-padded along its sequence `axis` to `size`: unlike `pad_axis`, a
+    sequence of one position is padded too (it is a length, not a broadcast)."""
+    if x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths)
+
+
 def padded(ops: Operands, seq_q: int | None, seq_k: int | None) -> Operands:
     """The `GRID` operands padded along their sequence axes (-2, -1) to `seq_q`, `seq_k`
     (None: that axis as it is). Padding is never attended: the kernels mask it by

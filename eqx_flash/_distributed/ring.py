@@ -31,7 +31,7 @@ from .._core.operands import (
     combine,
     constant_part,
     differentiable_part,
-    pad_axis,
+    pad_sequence,
     replace,
     zeros_for,
 )
@@ -434,9 +434,9 @@ def ring_attention(ring: Ring, q: Array, k: Array, v: Array, ops: Operands
     `ops` holds the "columns" operands (`ring_operands`) against every key of the ring."""
     cfg, m = ring.base, ring.pieces
     pad_q, pad_k = cfg.padded_seq
-    qs = tuple(pad_axis(x, 3, pad_q) for x in jnp.split(q, m, axis=3))
-    ks = tuple(pad_axis(x, 2, pad_k) for x in jnp.split(k, m, axis=2))
-    vs = tuple(pad_axis(x, 2, pad_k) for x in jnp.split(v, m, axis=2))
+    qs = tuple(pad_sequence(x, 3, pad_q) for x in jnp.split(q, m, axis=3))
+    ks = tuple(pad_sequence(x, 2, pad_k) for x in jnp.split(k, m, axis=2))
+    vs = tuple(pad_sequence(x, 2, pad_k) for x in jnp.split(v, m, axis=2))
     ring_ops = cut_for_ring(ops, m, ring.num_devices * m, pad_q, pad_k)
     # Replicated operands (slopes) vary like q under check_vma=True: the transpose of that
     # cast sums the devices' shares of their cotangents.

@@ -405,6 +405,11 @@ def prepare(cfg: KernelConfig, ops: Operands, heads: tuple[int, ...], v: Array |
     parts: list[tuple[_Side, Array]] = []
 
     def add(name: str, x: Array, query: bool) -> None:
+        # A sequence of one position is not padded with the rest (`padded`: its axis
+        # broadcasts); its blocks need the whole length.
+        axis, length = (3, cfg.padded_seq[0]) if query else (4, cfg.padded_seq[1])
+        if x.shape[axis] != length:
+            x = jnp.broadcast_to(x, (*x.shape[:axis], length, *x.shape[axis + 1:]))
         parts.append(_layout(name, x, query, transposed, cfg.block_q if query else cfg.block_k))
 
     if ops.key_mask is not None:
