@@ -65,32 +65,6 @@ def _compare(q, k, v, dtype=jnp.float32, grads=True, **kwargs):
         assert_close(a, b, dtype, kind="grad", name=f"d{name}")
 
 
-def _compare_unblocked(q, k, v, traced=None, **kwargs):
-    """Values, lse, gradients of q, k, v and a jvp against `plain_attention`, at the
-    kernels' own blocks; the keyword arguments in `traced` are arguments of the `jit`."""
-    pallas = functools.partial(flash_attention, **PALLAS)
-
-    def everything(attention):
-        def run(q, k, v, traced):
-            def call(q, k, v):
-                return attention(q, k, v, **kwargs, **traced)
-
-            out, lse = call(q, k, v)
-            tangent = jax.jvp(lambda q: call(q, k, v)[0], (q,), (jnp.cos(q),))[1]
-            grads = jax.grad(lambda q, k, v: _loss(call, q, k, v), argnums=(0, 1, 2))(q, k, v)
-            return out, lse, grads, tangent
-
-        return jax.jit(run)(q, k, v, traced or {})
-
-    (out, lse, grads, tangent), (r_out, r_lse, r_grads, r_tangent) = (
-        everything(pallas), everything(plain_attention))
-    assert_close(out, r_out, name="out")
-    assert_lse_close(lse, r_lse, jnp.float32)
-    for name, a, b in zip("qkv", grads, r_grads, strict=True):
-        assert_close(a, b, kind="grad", name=f"d{name}")
-    assert_close(tangent, r_tangent, kind="grad", name="jvp")
-
-
 CASES = {
     "full": dict(),
     "causal": dict(causal=True),
@@ -359,11 +333,13 @@ def test_block_masks_in_the_kernels():
         options = dict(mask_mod=sliding_prefix, block_mask=block_mask)
         family, _ = eqx_flash.kernel_family(q, k, v, kernels="pallas_tpu", **options)
         assert family == "pallas_tpu"
+        pallas = functools.partial(flash_attention, mask_mod=sliding_prefix, **PALLAS)
         if passed:
-            _compare_unblocked(q, k, v, mask_mod=sliding_prefix,
-                               traced=dict(block_mask=block_mask))
+            _compare_on(pallas, q, k, v, traced=dict(block_mask=block_mask),
+                        mask_mod=sliding_prefix)
         else:
-            _compare_unblocked(q, k, v, **options)
+            _compare_on(functools.partial(pallas, block_mask=block_mask), q, k, v,
+                        **options)
 
 
 @pytest.mark.parametrize("options", [dict(), dict(causal=True, softcap=3.0)],
@@ -528,22 +504,31 @@ def test_inside_a_users_shard_map():
     _compare_on(ring_mods, q, k, v, causal=True, **mods)
 
 
-def _compare_on(attention, q, k, v, **options):
-    """`attention(q, k, v)` against `plain_attention(q, k, v, **options)`: values, the
-    gradients of `_loss`, and a jvp."""
-    out, lse = jax.jit(attention)(q, k, v)
+def _compare_on(attention, q, k, v, traced=None, **options):
+    """`attention(q, k, v, **traced)` against `plain_attention(q, k, v, **options,
+    **traced)`: values, lse, the gradients of `_loss` and a jvp, each side one compiled
+    program; the keyword arguments in `traced` are arguments of the `jit`."""
     reference = functools.partial(plain_attention, **options)
-    ref_out, ref_lse = jax.jit(reference)(q, k, v)
-    assert_close(out, ref_out, name="out")
-    assert_lse_close(lse, ref_lse, jnp.float32)
-    grad = functools.partial(jax.grad, argnums=(0, 1, 2))
-    got = jax.jit(grad(lambda q, k, v: _loss(lambda *a: attention(*a), q, k, v)))(q, k, v)
-    want = jax.jit(grad(lambda q, k, v: _loss(reference, q, k, v)))(q, k, v)
-    for name, a, b in zip("qkv", got, want, strict=True):
+
+    def everything(attention):
+        def run(q, k, v, traced):
+            def call(q, k, v):
+                return attention(q, k, v, **traced)
+
+            out, lse = call(q, k, v)
+            tangent = jax.jvp(lambda q: call(q, k, v)[0], (q,), (jnp.cos(q),))[1]
+            grads = jax.grad(lambda q, k, v: _loss(call, q, k, v), argnums=(0, 1, 2))(q, k, v)
+            return out, lse, grads, tangent
+
+        return jax.jit(run)(q, k, v, traced or {})
+
+    (out, lse, grads, tangent), (r_out, r_lse, r_grads, r_tangent) = (
+        everything(attention), everything(reference))
+    assert_close(out, r_out, name="out")
+    assert_lse_close(lse, r_lse, jnp.float32)
+    for name, a, b in zip("qkv", grads, r_grads, strict=True):
         assert_close(a, b, kind="grad", name=f"d{name}")
-    tangent = jax.jit(lambda q: jax.jvp(lambda q: attention(q, k, v)[0], (q,), (v,))[1])(q)
-    ref = jax.jit(lambda q: jax.jvp(lambda q: reference(q, k, v)[0], (q,), (v,))[1])(q)
-    assert_close(tangent, ref, kind="grad", name="jvp")
+    assert_close(tangent, r_tangent, kind="grad", name="jvp")
 
 
 @examples(5)  # each example interprets the kernels: a few, over every option at once

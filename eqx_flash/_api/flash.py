@@ -124,14 +124,15 @@ def prepare_kernels(bound: Bound) -> tuple[KernelConfig, Operands]:
                                varying_axes_of((bound.q, bound.k, bound.v, ops)))
     ops = combine(ops, mod_ops)
     if bound.block_mask is not None:
-        # A family with larger blocks than the summary's (multiples of them) reads it
-        # coarsened (`covers` and `configure` saw its blocks).
-        built = bound.block_mask.block_q, bound.block_mask.block_k
-        takes_finer = built != (cfg.block_q, cfg.block_k) and coarsens_block_mask(cfg)
-        ops = replace(ops, block_flags=coarsened(block_flags_for(
-            bound.block_mask, bound.mask_mod, shapes, *built), shapes, *built,
-            cfg.block_q, cfg.block_k) if takes_finer else block_flags_for(
-            bound.block_mask, bound.mask_mod, shapes, cfg.block_q, cfg.block_k))
+        # Checked against the kernels' blocks, or, for a family that reads a summary of
+        # smaller blocks coarsened (`covers` and `configure` saw its blocks), its own.
+        kernel_blocks = (cfg.block_q, cfg.block_k)
+        built = ((bound.block_mask.block_q, bound.block_mask.block_k)
+                 if coarsens_block_mask(cfg) else kernel_blocks)
+        flags = block_flags_for(bound.block_mask, bound.mask_mod, shapes, *built)
+        if built != kernel_blocks:
+            flags = coarsened(flags, shapes, *built, *kernel_blocks)
+        ops = replace(ops, block_flags=flags)
     elif bound.mask_mod is not None and reads_block_flags(cfg):
         # A family that plans its grid when traced runs only mask_mods of the indices
         # alone (no arrays, none closed over): their summary is evaluated now, known.

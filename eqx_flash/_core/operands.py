@@ -203,11 +203,7 @@ def partition_specs(
 
 def pad_axis(x: Array, axis: int, size: int) -> Array:
     """`x` zero-padded along `axis` to `size` (an axis of size 1 broadcasts: kept)."""
-    if x.shape[axis] in (1, size):
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, widths)
+    return x if x.shape[axis] == 1 else pad_sequence(x, axis, size)
 
 
 def pad_sequence(x: Array, axis: int, size: int) -> Array:

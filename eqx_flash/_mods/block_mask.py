@@ -262,6 +262,12 @@ def _internal(flags: Array, lead_b: int, heads: int, shapes: Shapes) -> Array:
     num_q, num_k = flags.shape[-2:]
     if heads == 1:
         return flags.reshape(lead_b, 1, 1, num_q, num_k)
-    grouped = flags.reshape(lead_b, shapes.kv_heads, shapes.groups, num_q, num_k)
-    hi, lo = grouped.max(axis=2, keepdims=True), grouped.min(axis=2, keepdims=True)
-    return jnp.where(hi == EMPTY, EMPTY, jnp.where(lo == FULL, FULL, PARTIAL)).astype(jnp.int8)
+    return merged(flags.reshape(lead_b, shapes.kv_heads, shapes.groups, num_q, num_k), 2)
+
+
+def merged(flags: Any, axis: int | tuple[int, ...]) -> Any:
+    """One summary for the block pairs along `axis` (kept, of size 1): empty where all of
+    them are, full where all are, partial otherwise. NumPy flags give NumPy flags."""
+    xp: Any = np if isinstance(flags, np.ndarray) else jnp
+    hi, lo = flags.max(axis=axis, keepdims=True), flags.min(axis=axis, keepdims=True)
+    return xp.where(hi == EMPTY, EMPTY, xp.where(lo == FULL, FULL, PARTIAL)).astype(np.int8)

@@ -95,6 +95,17 @@ def read_step(layout: Layout, outer_ref, inner_ref, code_ref) -> Step:
                 (code & LAST) != 0, t)
 
 
+def by_flag(flag: Array, masks_data: bool, step: Callable[[Any], None]) -> None:
+    """`step(positional)` on the steps with a block: 2 whole by position, 1 partial (see
+    `_plan`); with masks known only at run time (`masks_data`: evaluated anyway), one
+    variant that reads the flag."""
+    if masks_data:
+        pl.when(flag != 0)(lambda: step(flag == 1))
+    else:
+        pl.when(flag == 2)(lambda: step(False))
+        pl.when(flag == 1)(lambda: step(True))
+
+
 def split_refs(refs: Sequence[Any], operands: BlockOperands, inputs: int
                ) -> tuple[Sequence[Any], Sequence[Any], Sequence[Any], Sequence[Any]]:
     """A kernel's refs after the plan's three tables, in `planned_call`'s order: `(scalar

@@ -28,13 +28,13 @@ import numpy as np
 from jaxtyping import Array
 
 from ..._core.config import KernelConfig
-from ..._mods.block_mask import EMPTY, FULL, PARTIAL
+from ..._mods.block_mask import EMPTY, FULL, PARTIAL, merged
 from ..schedule import static_flags
 
 FLAG, FIRST, LAST = 3, 4, 8  # a step's code: `code & FLAG` its flag, then two bits
 # The most block pairs a plan lists per batch element and kv head (three int32 tables of
 # at most this many steps each, in SMEM); past it, a summary that varies over them is
-# merged over them (`_shared`): still exact, the mask_mod evaluated where any needs it.
+# merged over them (`block_mask.merged`): still exact, the mask_mod evaluated where any needs it.
 MAX_LISTED = 2**13
 
 
@@ -92,6 +92,12 @@ class Plan(NamedTuple):
             return jnp.asarray(x).reshape(-1)
 
         return flat(self.outer), flat(self.inner), flat(self.code)
+
+
+def applies_mask_mod(positional: bool | None | Array, listed: bool) -> bool:
+    """Whether a step evaluates the `mask_mod`: everywhere but on a block a listed plan
+    flags whole (`positional=False`), which its summary fills."""
+    return positional is not False or not listed
 
 
 def _listed(nonempty: np.ndarray, whole: np.ndarray, summary: Array | np.ndarray) -> Plan:
@@ -155,22 +161,12 @@ def _plan(cfg: KernelConfig, block_flags: Array | None, transposed: bool) -> Pla
     elif block_flags is not None:
         summary = _summary(block_flags)
     else:
-        plan = _listed(nonempty, whole, np.full((1, 1, *nonempty.shape), FULL, np.int8))
-        return plan
+        return _listed(nonempty, whole, np.full((1, 1, *nonempty.shape), FULL, np.int8))
     if transposed:
         summary = summary.swapaxes(-1, -2)
     if summary.shape[0] * summary.shape[1] * nonempty.size > MAX_LISTED:
-        summary = _shared(summary)
+        summary = merged(summary, (0, 1))  # one for every batch element and kv head
     return _listed(nonempty, whole, summary)._replace(listed=True)
-
-
-def _shared(summary: Array | np.ndarray) -> Array | np.ndarray:
-    """One summary for every batch element and kv head: a block empty where it is for
-    all of them, full where it is for all, partial otherwise."""
-    xp: Any = np if isinstance(summary, np.ndarray) else jnp
-    some = xp.any(summary != EMPTY, axis=(0, 1), keepdims=True)
-    every = xp.all(summary == FULL, axis=(0, 1), keepdims=True)
-    return xp.where(some, xp.where(every, FULL, PARTIAL), EMPTY).astype(np.int8)
 
 
 def forward_plan(cfg: KernelConfig, block_flags: Array | None = None) -> Plan:

@@ -29,9 +29,9 @@ from jaxtyping import Array
 
 from ..._core.config import KernelConfig, stat_dtype
 from ..._core.operands import Operands, differentiable_part, reduce_to
-from ._call import planned_call, read_step, split_refs
+from ._call import by_flag, planned_call, read_step, split_refs
 from ._operands import SUBLANES, BlockOperands, lane_blocks, masks_some_pairs, prepare
-from ._plan import Layout, Plan, backward_plan, forward_plan
+from ._plan import Layout, Plan, applies_mask_mod, backward_plan, forward_plan
 from ._platform import on_tpu_or_interpreted
 from ._tile import (
     DEFAULT_TUNING,
@@ -131,17 +131,6 @@ def _summed_to(x: Array, shape: tuple[int, ...]) -> Array:
     """`x` summed over the axes where `shape` is 1 (a broadcast operand's cotangent)."""
     axes = tuple(a for a, n in enumerate(shape) if n == 1 and x.shape[a] != 1)
     return jnp.sum(x, axis=axes, keepdims=True) if axes else x
-
-
-def _by_flag(flag, operands: BlockOperands, step) -> None:
-    """`step(positional)` on the steps with a block: 2 whole by position, 1 partial (see
-    `_plan`); with data masks, one variant that reads the flag. A listed plan's whole
-    block is whole by its `mask_mod`'s summary too: `positional=False` skips the mod."""
-    if operands.masks_data:
-        pl.when(flag != 0)(lambda: step(flag == 1))
-    else:
-        pl.when(flag == 2)(lambda: step(False))
-        pl.when(flag == 1)(lambda: step(True))
 
 
 # dk, dv (and dq, fused): per key block, its query blocks (the transposed plan).
@@ -265,7 +254,7 @@ def _dkv_kernel(outer_ref, inner_ref, code_ref, *refs, cfg: KernelConfig,
                 mask = operands.mask(cfg, operand_refs, tables, bi, q_start,
                                      j * bk, (bk, chunk), positional, group,
                                      queries=queries)
-                if positional is not False or not listed:  # (see `_by_flag`)
+                if applies_mask_mod(positional, listed):
                     mask = and_masks(mask, apply_mask_mod(cfg, bi, hi, g, q_start, j * bk,
                                                           (bk, chunk), group, indices))
                 if mask is not None:
@@ -289,7 +278,7 @@ def _dkv_kernel(outer_ref, inner_ref, code_ref, *refs, cfg: KernelConfig,
         dk_acc[...] = dk
         dv_acc[...] = dv
 
-    _by_flag(flag, operands, step)
+    by_flag(flag, operands.masks_data, step)
 
     @pl.when(at.last)
     def _finish():
@@ -414,7 +403,7 @@ def _dq_kernel(outer_ref, inner_ref, code_ref, *refs, cfg: KernelConfig,
                               mod)
         mask = operands.mask(cfg, operand_refs, tables, bi, i * bq, kb * bk, (1, bq, bk),
                              positional)
-        if positional is not False or not listed:  # (see `_by_flag`)
+        if applies_mask_mod(positional, listed):
             mask = and_masks(mask, apply_mask_mod(cfg, bi, hi, g, i * bq, kb * bk,
                                                   (rows, bk), indices=indices))
         full_mask = None
@@ -435,7 +424,7 @@ def _dq_kernel(outer_ref, inner_ref, code_ref, *refs, cfg: KernelConfig,
             # (`ds` is the cotangent of the natural pre-cap logits, where the bias adds.)
             d_bias_ref[...] = _summed_to(ds.reshape(g, bq, bk), d_bias_ref.shape)
 
-    _by_flag(flag, operands, step)
+    by_flag(flag, operands.masks_data, step)
 
     @pl.when(at.last)
     def _finish():

@@ -25,7 +25,7 @@ from ..._core.operands import Operands
 from ..._semantics.masking import window_overlap
 from ._call import planned_call, read_step, split_refs
 from ._operands import BlockOperands, masks_some_pairs, prepare
-from ._plan import Layout, Plan, forward_plan
+from ._plan import Layout, Plan, applies_mask_mod, forward_plan
 from ._platform import on_tpu_or_interpreted
 from ._tile import (
     DEFAULT_TUNING,
@@ -164,7 +164,7 @@ def _step(*, positional: bool | None, flag, cfg: KernelConfig, operands: BlockOp
         _tile, cfg=cfg, operands=operands, u=u, q_ref=q_ref, k_ref=k_ref, v_ref=v_ref,
         operand_refs=operand_refs, tables=tables, bi=bi, hi=hi, q_block_start=qb * bq,
         m_scr=m_scr, l_scr=l_scr, acc_scr=acc_scr, bad_block=bad_block,
-        with_mask_mod=positional is not False or not listed)
+        with_mask_mod=applies_mask_mod(positional, listed))
     for c in range(bk // chunk):
         keys = pl.ds(c * chunk, chunk)
         k_start = kb * bk + c * chunk

@@ -19,9 +19,9 @@ from jaxtyping import Array
 
 from ..._core.config import KernelConfig, stat_dtype
 from ..._core.operands import Operands
-from ._call import planned_call, read_step, split_refs
+from ._call import by_flag, planned_call, read_step, split_refs
 from ._operands import BlockOperands, masks_some_pairs, prepare
-from ._plan import Layout, Plan, forward_plan
+from ._plan import Layout, Plan, applies_mask_mod, forward_plan
 from ._platform import on_tpu_or_interpreted
 from ._tile import (
     DEFAULT_TUNING,
@@ -180,7 +180,7 @@ def _kernel(outer_ref, inner_ref, code_ref, *refs, cfg: KernelConfig,
                 ds = ds * (1.0 - t * t)
             mask = operands.mask(cfg, operand_refs, tables, bi, i * bq, k_start,
                                  (1, bq, chunk), positional, keys=keys)
-            if positional is not False or not listed:  # (not on a block the summary fills)
+            if applies_mask_mod(positional, listed):
                 mask = and_masks(mask, apply_mask_mod(cfg, bi, hi, g, i * bq, k_start,
                                                       (rows, chunk), indices=indices))
             if mask is not None:
@@ -209,11 +209,7 @@ def _kernel(outer_ref, inner_ref, code_ref, *refs, cfg: KernelConfig,
             _accumulate(operands, operand_refs, acc_scr, acc_t_scr, p, p_ds, alpha, v_ref,
                         dv_ref, keys, mask, bad_block, g, bq)
 
-    if operands.masks_data:
-        pl.when(flag != 0)(lambda: step(flag == 1))
-    else:
-        pl.when(flag == 2)(lambda: step(False))
-        pl.when(flag == 1)(lambda: step(True))
+    by_flag(flag, operands.masks_data, step)
 
     @pl.when(at.last)
     def _finish():
