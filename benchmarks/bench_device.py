@@ -21,7 +21,8 @@ name contains one of the given substrings):
   trained: fwd+bwd takes its gradient; `+softcap`: `softcap=30`; `+softcap_mod`: the
   same cap written as a `score_mod`; `+window_mod`: a causal window of 1024 keys as a
   `mask_mod`; `+doc_mod`: documents of 1024 tokens as a `mask_mod`, at 1024 x 1024 blocks,
-  1 - 1024 / seq of the block pairs empty), for what the feature costs (a mask_mod's block
+  1 - 1024 / seq of the block pairs empty; `+t5`: T5's `RelativePositionBias`, trained:
+  fwd+bwd takes its table's gradient), for what the feature costs (a mask_mod's block
   summary drives the kernels' plan: the blocks it empties cost nothing).
 - `pallas flash bN`: `jax.experimental.pallas.ops.tpu.flash_attention` with every block
   size N of `--blocks` (k and v repeated to the query heads for GQA: it has none).
@@ -181,6 +182,8 @@ FEATURES: dict[str, Callable[[Config, int], dict[str, Any]]] = {
     "softcap_mod": lambda config, seq: {"score_mod": _softcap_mod},
     "window_mod": lambda config, seq: {"mask_mod": _window_mod},
     "doc_mod": lambda config, seq: {"mask_mod": _doc_mod, "block_q": 1024, "block_k": 1024},
+    "t5": lambda config, seq: {"score_mod": eqx_flash.RelativePositionBias(
+        config.heads, key=jax.random.key(2))},
 }
 
 
@@ -196,9 +199,9 @@ def _doc_mod(batch, head, q_idx, kv_idx):  # documents of 1024 tokens (block-dia
     return q_idx // 1024 == kv_idx // 1024
 
 
-# Features whose array is trained: the array is an input of the timed program (after q, k, v),
-# and fwd+bwd takes its gradient too.
-TRAINED = {"bias"}
+# Features whose array is trained, by the keyword that takes it: the array (or module) is
+# an input of the timed program (after q, k, v), and fwd+bwd takes its gradient too.
+TRAINED = {"bias": "bias", "t5": "score_mod"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,10 +224,11 @@ def _eqx(family: str | None = None, block_q: int | None = None, block_k: int | N
         if feature not in TRAINED:
             return lambda q, k, v: eqx_flash.flash_attention(q, k, v, causal=causal,
                                                              **options)[0]
-        array = options.pop(feature)
+        keyword = TRAINED[feature]
+        array = options.pop(keyword)
 
         def attend(q, k, v, array):
-            return eqx_flash.flash_attention(q, k, v, causal=causal, **{feature: array},
+            return eqx_flash.flash_attention(q, k, v, causal=causal, **{keyword: array},
                                              **options)[0]
 
         return WithArrays(attend, (array,))
@@ -322,7 +326,7 @@ def program(attend: Callable[..., Any] | WithArrays, mode: str) -> Callable[...,
         return jax.jit(jax.grad(loss, argnums=tuple(range(arity))))
     # jvp: tangents along q, k, v only (an array of the call's own keeps a zero tangent).
     def tangents(*args):
-        return tuple(args[:3]) + tuple(jnp.zeros_like(a) for a in args[3:])
+        return tuple(args[:3]) + tuple(jax.tree.map(jnp.zeros_like, a) for a in args[3:])
 
     return jax.jit(lambda *args: jax.jvp(call, args, tangents(*args)))
 

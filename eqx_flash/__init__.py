@@ -20,6 +20,7 @@ from ._mods.block_mask import BlockMask as BlockMask
 from ._mods.block_mask import make_block_mask as make_block_mask
 from ._mods.position_bias import ALiBi as ALiBi
 from ._mods.position_bias import RelativePositionBias as RelativePositionBias
+from ._mods.position_bias import RelativeScoreMod as RelativeScoreMod
 from ._nn.attention import FlashAttention as FlashAttention
 from ._nn.cache import KVCache as KVCache
 from ._nn.multihead import FlashMultiheadAttention as FlashMultiheadAttention

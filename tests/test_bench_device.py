@@ -170,6 +170,27 @@ def test_a_trained_feature_gets_its_gradient_in_fwd_bwd(bench):
     assert jnp.allclose(tangent, want_tangent, atol=2e-2)
 
 
+def test_the_t5_feature_trains_its_table(bench):
+    """`--features t5`: a `RelativePositionBias` given as the score_mod is an input of the
+    timed program; fwd+bwd returns its table's gradient with those of q, k and v, and
+    the jvp runs with a zero tangent for it."""
+    impls, _ = bench.implementations([512], ["xla"], ["t5"])
+    row = next(i for i in impls if i.label == "eqx_flash[xla]+t5")
+    config = bench.parse_config("h2d16")
+    q, k, v = (jax.random.normal(jax.random.key(n), (1, 2, 32, 16)) for n in range(3))
+    cell = row.make(config, 32, True, None)
+    (module,) = cell.arrays
+    assert isinstance(module, eqx_flash.RelativePositionBias)
+    want = eqx_flash.plain_attention(q, k, v, causal=True, score_mod=module)[0]
+    assert jnp.allclose(bench.program(cell, "fwd")(q, k, v, module), want, atol=1e-5)
+    *_, d_module = bench.program(cell, "fwd+bwd")(q, k, v, module)
+    want_table = jax.grad(lambda m: jnp.sum(eqx_flash.plain_attention(
+        q, k, v, causal=True, score_mod=m)[0]))(module).table
+    assert jnp.allclose(d_module.table, want_table, atol=1e-4)
+    _, tangent = bench.program(cell, "jvp")(q, k, v, module)
+    assert tangent.shape == q.shape
+
+
 def test_tpu_peers_wiring_in_interpret_mode(bench):
     """Pallas flash (k, v repeated for GQA) and splash (q pre-scaled, vmapped over the
     batch) compute plain attention: run by Pallas' TPU interpreter on CPU."""

@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import re
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -226,18 +227,86 @@ def test_score_and_mask_mods_against_reference():
     _compare_with_array(q, k, v, case, "bias", bias, jnp.sin(bias))
 
 
+class _Clipped(eqx_flash.RelativeScoreMod):
+    """A learned bias per head and clipped offset, in both directions."""
+
+    table: jax.Array
+
+    def bias(self, head, relative):
+        return 2.0 * self.table[jnp.clip(relative + 8, 0, 16), head]
+
+
+class _PerHeadTemperature(eqx.Module):
+    """Holds an array and is no `RelativeScoreMod`: the pure-JAX kernels run it."""
+
+    temperature: jax.Array
+
+    def __call__(self, score, b, h, i, j):
+        return score * self.temperature[h]
+
+
+RELATIVE = {
+    "T5 buckets": dict(),
+    "T5 buckets, causal softcap": dict(causal=True, softcap=3.0),
+    "clipped table, window": dict(window=(60, 20), module="clipped"),
+    "clipped table, beside a bias": dict(bias=(200, 1), module="clipped"),
+}
+
+
+@pytest.mark.parametrize("name", list(RELATIVE))
+def test_relative_score_mods_against_reference(name):
+    """A `RelativeScoreMod` built in the kernels as a Toeplitz term of its bias vector:
+    values, lse, the gradients of q, k, v and of its table (the dk/dv kernel's window
+    cotangents), and a jvp along q and the table, against `plain_attention` calling the
+    module per pair (GQA 4/2; 200 queries on 300 keys)."""
+    case = dict(RELATIVE[name])
+    q, k, v = qkv(31, (2, 4, 200, 32), (2, 2, 300, 32))
+    if case.pop("module", None) == "clipped":
+        module: eqx.Module = _Clipped(jax.random.normal(jax.random.key(32), (17, 4)))
+    else:
+        module = eqx_flash.RelativePositionBias(4, num_buckets=16, max_distance=64,
+                                                key=jax.random.key(33))
+        module = eqx.tree_at(lambda m: m.table, module, 10.0 * module.table)
+    if "bias" in case:
+        case["bias"] = jax.random.normal(jax.random.key(34), case["bias"])
+    assert eqx_flash.kernel_family(q, k, v, score_mod=module, kernels="pallas_tpu",
+                                   **case)[0] == "pallas_tpu"
+    pallas = functools.partial(flash_attention, **case, **PALLAS, **BLOCKS)
+    reference = functools.partial(plain_attention, **case)
+
+    def run(attention, module, q):
+        out, lse = attention(q, k, v, score_mod=module)
+        grads = jax.grad(lambda m, q, k, v: _loss(attention, q, k, v, score_mod=m),
+                         argnums=(0, 1, 2, 3))(module, q, k, v)
+        tangent = jax.tree.map(jnp.cos, module)
+        _, (t_out, t_lse) = jax.jvp(lambda m, q: attention(q, k, v, score_mod=m),
+                                    (module, q), (tangent, jnp.cos(q)))
+        return out, lse, grads, t_out, jnp.where(jnp.isfinite(lse), t_lse, 0.0)
+
+    got = jax.jit(functools.partial(run, pallas))(module, q)
+    want = jax.jit(functools.partial(run, reference))(module, q)
+    assert_close(got[0], want[0], name="out")
+    assert_lse_close(got[1], want[1], jnp.float32)
+    for label, a, b in zip(("d_table", "dq", "dk", "dv"), jax.tree.leaves(got[2]),
+                           jax.tree.leaves(want[2]), strict=True):
+        assert_close(a, b, kind="grad", name=label)
+    assert_close(got[3], want[3], kind="grad", name="jvp out")
+    assert_close(got[4], want[4], kind="grad", name="jvp lse")
+
+
 def test_which_mods_run_in_the_kernels():
-    """Elementwise functions holding no arrays run in the kernels; the rest are named."""
+    """Elementwise functions holding no arrays, and `RelativeScoreMod`s, run in the
+    kernels; the rest are named."""
     q, k, v = qkv(23, (1, 2, 64, 16), (1, 2, 64, 16))
     table = jnp.linspace(0.0, -1.0, 8)
 
     def looked_up(score, b, h, i, j):  # a table lookup: a gather over a closed-over array
         return score + table[jnp.clip(i - j, 0, 7)]
 
+    relative = eqx_flash.RelativePositionBias(2, key=jax.random.key(0))
     reasons = {
         "closing over arrays": dict(score_mod=looked_up),
-        "holding arrays": dict(score_mod=eqx_flash.RelativePositionBias(
-            2, key=jax.random.key(0))),
+        "holding arrays": dict(score_mod=_PerHeadTemperature(jnp.ones(2))),
         "block_mask built at blocks (24, 40)": dict(
             mask_mod=sliding_prefix, block_mask=eqx_flash.make_block_mask(
                 sliding_prefix, (1,), 2, 64, 64, block_q=24, block_k=40)),
@@ -247,9 +316,24 @@ def test_which_mods_run_in_the_kernels():
         assert family is None and expected in reason, (expected, reason)
         with pytest.raises(NotImplementedError, match=re.escape(expected)):
             flash_attention(q, k, v, **PALLAS, **options)
-    family, _ = eqx_flash.kernel_family(q, k, v, kernels="pallas_tpu",
-                                        score_mod=capped_distance, mask_mod=sliding_prefix)
-    assert family == "pallas_tpu"
+    # A RelativeScoreMod's term needs query blocks of whole 128s: a block_mask at other
+    # blocks that do not divide the kernels' is not read with it.
+    long = qkv(24, (1, 2, 128, 16), (1, 2, 128, 16))
+    block_mask = eqx_flash.make_block_mask(sliding_prefix, (1,), 2, 128, 128, block_q=48,
+                                           block_k=128)
+    family, reason = eqx_flash.kernel_family(*long, kernels="pallas_tpu", score_mod=relative,
+                                             mask_mod=sliding_prefix, block_mask=block_mask)
+    assert family is None and "RelativeScoreMod with a block_mask built at query blocks of 48" \
+        in reason, reason
+    # ... and its vectors whole in VMEM: at 300k tokens they no longer fit.
+    very_long = [jnp.zeros((2, 300_000, 8))] * 3
+    family, reason = eqx_flash.kernel_family(*very_long, kernels="pallas_tpu",
+                                             score_mod=relative)
+    assert family is None and "do not fit in VMEM" in reason, reason
+    for options in (dict(score_mod=capped_distance, mask_mod=sliding_prefix),
+                    dict(score_mod=relative, causal=True)):
+        family, _ = eqx_flash.kernel_family(q, k, v, kernels="pallas_tpu", **options)
+        assert family == "pallas_tpu", options
 
 
 def test_a_block_summary_narrows_the_plan():

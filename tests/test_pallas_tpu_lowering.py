@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from helpers import capped_distance, sliding_prefix
 
-from eqx_flash import flash_attention
+from eqx_flash import RelativePositionBias, flash_attention
 
 PALLAS = dict(kernels="pallas_tpu")
 BLOCKS = dict(block_q=64, block_k=128)
@@ -165,3 +165,39 @@ def test_mods_on_the_ring_lower_to_mosaic_kernels():
     for fn, kernels in ((ring, 3), (grad, 6)):
         exported = jax.export.export(jax.jit(fn), platforms=("tpu",))(q, q, q)
         assert exported.mlir_module().count("tpu_custom_call") == kernels
+
+
+@pytest.mark.parametrize("blocks", [BLOCKS, {}], ids=["blocks 64x128", "default blocks"])
+def test_relative_score_mods_lower_to_mosaic_kernels(blocks):
+    """A `RelativeScoreMod` (T5's buckets: a table lookup) runs in the kernels as a
+    Toeplitz term built from lane rotations: its table's gradient exports to exactly the
+    two Mosaic kernels of a plain gradient (the window cotangents come out of the fused
+    backward), a jvp along q and the table to one; GQA, float32 and bfloat16, causal
+    with a soft cap, and beside a bias (then the dq kernel runs too)."""
+    relative = RelativePositionBias(4, key=jax.random.PRNGKey(0))
+    for dtype in (jnp.float32, jnp.bfloat16):
+        q = jax.ShapeDtypeStruct((2, 4, 160, 64), dtype)
+        kv = jax.ShapeDtypeStruct((2, 2, 300, 64), dtype)
+        bias = jax.ShapeDtypeStruct((4, 1, 300), dtype)
+        for options, kernels in ((dict(), 2), (dict(causal=True, softcap=30.0), 2),
+                                 (dict(window=(100, 0)), 2), (dict(bias=bias), 3)):
+            b = options.pop("bias", None)
+
+            def grad(q, k, v, b, m, options=options):
+                def loss(m, q, k, v, b):
+                    flash = functools.partial(flash_attention, score_mod=m, bias=b,
+                                              **PALLAS, **blocks, **options)
+                    return _loss(flash, q, k, v)
+                return jax.grad(loss, argnums=(0, 1, 2, 3, 4) if b is not None
+                                else (0, 1, 2, 3))(m, q, k, v, b)
+
+            def jvp(q, k, v, b, m, options=options):
+                return jax.jvp(lambda q, m: flash_attention(
+                    q, k, v, score_mod=m, bias=b, **PALLAS, **blocks, **options)[0],
+                    (q, m), (q, m))
+
+            for fn, count in ((grad, kernels), (jvp, 1)):
+                exported = jax.export.export(jax.jit(fn), platforms=("tpu",))(
+                    q, kv, kv, None if b is None else b, relative)
+                assert exported.mlir_module().count("tpu_custom_call") == count, (
+                    options, fn.__name__)

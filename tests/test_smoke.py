@@ -290,7 +290,7 @@ def test_cached_decoding_equals_full_attention():
     assert_close(eqx_flash.rotary(y, jnp.arange(10)), eqx.nn.RotaryPositionalEmbedding(16)(y))
 
 
-@covers("make_block_mask", "BlockMask", "ALiBi", "RelativePositionBias",
+@covers("make_block_mask", "BlockMask", "ALiBi", "RelativePositionBias", "RelativeScoreMod",
         "testing.RelativeBiasTable", "testing.HeadScaling", "testing.PrefixLM",
         "testing.Documents", "testing.Dilated", "testing.BlockSparse")
 def test_score_mod_mask_mod_and_block_mask_match_plain(getkey):

@@ -1,10 +1,12 @@
-"""Ready-made `score_mod`s: ALiBi and T5's learned relative position bias.
+"""Ready-made `score_mod`s: ALiBi and T5's learned relative position bias, and
+`RelativeScoreMod`, the base of every bias that depends on the key-minus-query offset.
 
-Both are `eqx.Module`s called as `score_mod(score, batch, head, q_idx, kv_idx)`, so their
+They are `eqx.Module`s called as `score_mod(score, batch, head, q_idx, kv_idx)`, so their
 arrays are PyTree leaves: pass the module as `score_mod=` (or as a field of
 `FlashAttention`) and gradients reach them.
 """
 
+import abc
 import math
 
 import equinox as eqx
@@ -57,6 +59,31 @@ class ALiBi(eqx.Module):
         return score - self.slopes[head].astype(score.dtype) * distance
 
 
+class RelativeScoreMod(eqx.Module):
+    """A `score_mod` adding `bias(head, kv_idx - q_idx)`: a bias of the head and of the
+    key's offset from the query alone (T5's buckets, a learned table of clipped
+    distances, KERPLE, ...). Subclass it and write `bias`.
+
+    Every kernel family runs it as the `score_mod` it is. The Pallas TPU kernels read
+    it as what it is: its bias depends on the offset only, so `bias` is evaluated once
+    per call on every offset the sequences have (a vector per head, by plain JAX: any
+    function, table lookups included), and each tile's term is the Toeplitz matrix of a
+    window of that vector, built in the kernel; the backward kernel sums the logits'
+    cotangent along the tile's diagonals, and the module's arrays get their gradient
+    from that vector's. `bias` must be elementwise: `head` and `relative` are int32
+    arrays that broadcast against each other.
+    """
+
+    @abc.abstractmethod
+    def bias(self, head: Array, relative: Array) -> Array:
+        """The bias of query head `head` at offset `relative = kv_idx - q_idx`."""
+
+    def __call__(self, score: Array, batch: Array, head: Array, q_idx: Array,
+                 kv_idx: Array) -> Array:
+        del batch
+        return score + self.bias(head, kv_idx - q_idx).astype(score.dtype)
+
+
 def relative_position_bucket(
     relative_position: Int[Array, "*shape"], bidirectional: bool, num_buckets: int,
     max_distance: int,
@@ -81,12 +108,13 @@ def relative_position_bucket(
     return bucket + jnp.where(n < max_exact, n, large)
 
 
-class RelativePositionBias(eqx.Module):
+class RelativePositionBias(RelativeScoreMod):
     """T5's learned relative position bias as a `score_mod`: adds
     `table[bucket(kv_idx - q_idx), head]` (`relative_position_bucket`).
 
     `table` `(num_buckets, num_heads)` is a leaf, so it trains through `flash_attention`
-    (its cotangent is accumulated block by block in float32).
+    (its cotangent is accumulated block by block in float32). A `RelativeScoreMod`: the
+    Pallas TPU kernels run it in the kernel, its gradient included.
     """
 
     table: Float[Array, "buckets heads"]
@@ -107,9 +135,7 @@ class RelativePositionBias(eqx.Module):
         self.max_distance = max_distance
         self.bidirectional = bidirectional
 
-    def __call__(self, score: Array, batch: Array, head: Array, q_idx: Array,
-                 kv_idx: Array) -> Array:
-        del batch
-        bucket = relative_position_bucket(kv_idx - q_idx, self.bidirectional,
-                                          self.num_buckets, self.max_distance)
-        return score + self.table[bucket, head].astype(score.dtype)
+    def bias(self, head: Array, relative: Array) -> Array:
+        bucket = relative_position_bucket(relative, self.bidirectional, self.num_buckets,
+                                          self.max_distance)
+        return self.table[bucket, head]

@@ -5,15 +5,18 @@
 import equinox as eqx
 from jaxtyping import Array, Bool, Float, Int
 
+from .._mods.position_bias import RelativeScoreMod
 
-class RelativeBiasTable(eqx.Module):
-    """score_mod: a learned bias per query head and relative position `i - j`."""
+
+class RelativeBiasTable(RelativeScoreMod):
+    """score_mod: a learned bias per query head and relative position `i - j` (a
+    `RelativeScoreMod`: the Pallas TPU kernels build it in the kernel)."""
 
     table: Float[Array, "heads distances"]  # distances = seq_q + seq_k - 1
     seq_k: int = eqx.field(static=True)
 
-    def __call__(self, s, b, h, i, j):
-        return s + self.table[h, i - j + self.seq_k - 1].astype(s.dtype)
+    def bias(self, head, relative):
+        return self.table[head, self.seq_k - 1 - relative]
 
 
 class HeadScaling(eqx.Module):

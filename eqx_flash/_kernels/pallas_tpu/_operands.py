@@ -17,7 +17,8 @@ hash computed per tile (`keep_for_head`): the same pattern as the XLA kernels'.
 Per-pair arrays (a bias, its tangent, an `attn_mask`; `_Pairs`) are read in blocks of
 their own, size 1 along every axis they broadcast over, so a bias per key or per head
 moves only what it holds; the dk/dv kernel reads them transposed from a copy laid out
-once per call (`_pair_layout`), and a mask travels as int8.
+once per call (`_pair_layout`), and a mask travels as int8. A `RelativeScoreMod`'s
+vectors (`_relative`) are read whole per kv head, a window per tile.
 
 The predicates are `_semantics.masking`'s own, evaluated on these block values, so the
 Pallas kernels, the XLA kernels and the reference agree on what attends.
@@ -38,6 +39,7 @@ from ..._core.options import Window
 from ..._semantics.dropout import flat_head_index, head_seed, keep_for_head
 from ..._semantics.masking import length_mask, positional_mask, within_window
 from ..._semantics.score_terms import alibi_distance
+from . import _relative
 from ._tile import and_masks, fold_heads
 
 LANES, SUBLANES = 128, 8
@@ -99,6 +101,9 @@ class BlockOperands:
     dropout_rate: float = 0.0  # > 0: a table of per-head seeds ("dropout") applies
     pairs: tuple[_Pairs, ...] = ()
     bias_units: float = 1.0  # the bias in the logits' units before the cap
+    # A `RelativeScoreMod`'s vectors (`_relative`), after the pairs' arrays: "relative"
+    # and, in the tangent kernel, "relative_tangent"; `(1, kv heads, g, 8, length)`.
+    vectors: tuple[str, ...] = ()
 
     def block_specs(self, block_q: int, block_k: int, at: Callable[..., Any]
                     ) -> list[pl.BlockSpec]:
@@ -106,14 +111,46 @@ class BlockOperands:
         plan's outer and inner blocks, flat, at `at(batch, kv head, step)`
         (`_plan.Layout.at`)."""
         return ([_spec(side, block_q, block_k, self.transposed, at) for side in self.sides]
-                + [_pair_spec(p, block_q, block_k, self.transposed, at) for p in self.pairs])
+                + [_pair_spec(p, block_q, block_k, self.transposed, at) for p in self.pairs]
+                + [pl.BlockSpec((None, None, *x.shape[2:]),
+                                lambda bi, hi, t, *tables: (0, hi, 0, 0, 0))
+                   for x in self._vector_arrays])
+
+    @property
+    def _vector_arrays(self) -> tuple[Array, ...]:
+        return self.block_arrays[len(self.block_arrays) - len(self.vectors):]
 
     def vmem_bytes(self, block_q: int, block_k: int) -> int:
-        """The double-buffered VMEM of the per-pair blocks (the one-sided ones are small)."""
+        """The double-buffered VMEM of the per-pair blocks and the vectors (the one-sided
+        blocks are small)."""
+        pair_arrays = self.block_arrays[len(self.sides):len(self.sides) + len(self.pairs)]
         return sum(2 * x.dtype.itemsize * p.groups * (block_q if p.queries else 1)
                    * (block_k if p.keys else 1)
-                   for p, x in zip(self.pairs, self.block_arrays[len(self.sides):],
-                                   strict=True))
+                   for p, x in zip(self.pairs, pair_arrays, strict=True)) + sum(
+            2 * x.dtype.itemsize * x[0, 0].size for x in self._vector_arrays)
+
+    def relative_term(self, cfg: KernelConfig, refs: Sequence[Any], name: str, row0: Any,
+                      col0: Any, tile: tuple[int, int], groups: int,
+                      group: int | None = None) -> Array | None:
+        """A `RelativeScoreMod`'s term on the tile (`"relative"`, in the logits' units
+        before the cap; `"relative_tangent"`, natural) whose rows start at position
+        `row0` and columns at `col0`: `(groups * rows, cols)`, the query heads folded
+        into the rows, or `tile` for one query head `group` (None without one)."""
+        if name not in self.vectors:
+            return None
+        ref = refs[len(self.sides) + len(self.pairs) + self.vectors.index(name)]
+        rows, cols = tile
+        where = _relative.Vector.of(cfg, self.transposed)
+        start = where.start(row0, col0, rows)
+        units = self.bias_units if name == "relative" else 1.0
+
+        def one(h: int) -> Array:
+            t = _relative.toeplitz(_relative.window(ref, h, start, rows + cols), rows, cols)
+            return t if units == 1.0 else t * jnp.float32(units)
+
+        if group is not None:
+            return one(group)
+        return fold_heads([one(h) for h in range(groups)])
 
     def has(self, name: str) -> bool:
         return any(p.name == name for p in self.pairs)
@@ -444,6 +481,7 @@ def prepare(cfg: KernelConfig, ops: Operands, heads: tuple[int, ...], v: Array |
     pairs = [_pair_layout(name, x, transposed, cfg.block_q) for name, x in (
         ("pair_mask", ops.pair_mask), ("bias", ops.bias),
         ("bias_tangent", None if d_ops is None else d_ops.bias)) if x is not None]
+    vectors = _relative.vectors(cfg, ops, heads, transposed, d_ops)
     masks_data = (bool(parts) or ops.has_lengths or ops.pair_mask is not None
                   or _has_mask_mod(cfg))
     if v is not None:
@@ -456,14 +494,16 @@ def prepare(cfg: KernelConfig, ops: Operands, heads: tuple[int, ...], v: Array |
         by_block = bad.reshape(*bad.shape[:2], -1, cfg.block_k).any(axis=-1)
         tables["bad_block"] = by_block.reshape(-1).astype(jnp.int32)  # (b * h * num_k,)
     return BlockOperands(
-        tuple(side for side, _ in parts), tuple(x for _, x in parts + pairs),
+        tuple(side for side, _ in parts),
+        tuple(x for _, x in parts + pairs) + tuple(vectors.values()),
         tuple(tables.values()), tuple(tables), transposed, ops.has_lengths, positions,
         masks_data, alibi,
         dropout_rate=cfg.dropout_rate if "dropout" in tables else 0.0,
         alibi_float=alibi == "indices" and max(cfg.padded_seq) + abs(cfg.score_offset) < 2**24,
         alibi_one_sided=(alibi == "indices" and cfg.band_window.right is not None
                          and cfg.band_window.right <= 0 and cfg.score_offset == cfg.offset),
-        pairs=tuple(pair for pair, _ in pairs), bias_units=term_units)
+        pairs=tuple(pair for pair, _ in pairs), bias_units=term_units,
+        vectors=tuple(vectors))
 
 
 def _alibi_source(ops: Operands) -> str | None:

@@ -13,7 +13,8 @@ nothing else (`_ELEMENTWISE`: arithmetic, comparisons, selects, casts, broadcast
 transcendental functions) and reads no arrays: no PyTree leaves and no closed-over
 arrays, whose values a kernel would need as inputs (and, floating ones, whose gradient
 it would need to return). Anything else (a table lookup is a `gather`) runs on the
-pure-JAX kernels, which the family's `covers` says.
+pure-JAX kernels, which the family's `covers` says, except a `RelativeScoreMod`: its
+bias, a function of the offset alone, becomes a term the kernels build (`_relative`).
 
 A `score_mod` acts on the natural logits (after the scale and any bias, before the soft
 cap) as in every family: the kernels' logits in base-2 units are converted around it.
@@ -29,10 +30,13 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax import core
 from jaxtyping import Array
 
 from ..._core.config import KernelConfig
+from ..._mods.position_bias import RelativeScoreMod
 from ..._mods.tracing import ModFn, block_probe, sub_jaxprs
+from ._relative import module_type as is_relative
 from ._tile import ScoreMod, Units, fold_heads
 
 # Primitives every Mosaic lowering of this jax has a rule for, elementwise ones only.
@@ -56,6 +60,8 @@ def uncovered(name: str, mod: Callable[..., Any] | None, groups: int, dtype: Any
     scores), or None where they can."""
     if mod is None:
         return None
+    if name == "score_mod" and isinstance(mod, RelativeScoreMod):
+        return _uncovered_relative(mod, groups)
     if jax.tree.leaves(eqx.filter(mod, eqx.is_array)):
         return f"a {name} holding arrays (their values and gradients in the kernels)"
     probe = block_probe(groups, 8, 128, dtype)
@@ -68,6 +74,29 @@ def uncovered(name: str, mod: Callable[..., Any] | None, groups: int, dtype: Any
     found = _unlowered(closed.jaxpr)
     if found is not None:
         return f"a {name} applying `{found}` (Mosaic runs elementwise functions)"
+    return None
+
+
+def _uncovered_relative(mod: RelativeScoreMod, groups: int) -> str | None:
+    """Why the kernels cannot build `mod`'s bias as a term (`_relative`), or None: its
+    `bias` must give a float per (head, offset) pair and close over no traced values
+    (they could not be differentiated through the kernels' rules)."""
+    head = jax.ShapeDtypeStruct((groups, 1), jnp.int32)
+    relative = jax.ShapeDtypeStruct((1, 256), jnp.int32)
+    try:
+        closed = jax.make_jaxpr(lambda m, h, r: m.bias(h, r))(mod, head, relative)
+    except Exception:  # noqa: BLE001 - the families' own checks say what is wrong
+        return "a RelativeScoreMod whose bias does not trace on (head, offset) arrays"
+    if any(isinstance(c, core.Tracer) for c in closed.consts):
+        return "a RelativeScoreMod whose bias closes over traced values"
+    (out,) = closed.out_avals if len(closed.out_avals) == 1 else (None,)
+    try:
+        per_pair = out is not None and jnp.issubdtype(out.dtype, jnp.floating) and (
+            jnp.broadcast_shapes(out.shape, (groups, 256)) == (groups, 256))
+    except ValueError:
+        per_pair = False
+    if not per_pair:
+        return "a RelativeScoreMod whose bias is not one float per (head, offset) pair"
     return None
 
 
@@ -189,7 +218,7 @@ def score_mod(cfg: KernelConfig, u: Units, *, bi: Array, hi: Array, groups: int,
               ) -> ScoreMod | None:
     """The `score_mod` of one tile as `_tile.logits` takes it, with its derivative where
     asked (the backward and the tangent kernels); None without a score_mod."""
-    if cfg.mods is None or cfg.mods.score is None:
+    if cfg.mods is None or cfg.mods.score is None or is_relative(cfg):
         return None
     return functools.partial(apply_score_mod, cfg, u.before_cap, bi=bi, hi=hi, groups=groups,
                              q_start=q_start, k_start=k_start, group=group,

@@ -29,6 +29,7 @@ from jaxtyping import Array
 
 from ..._core.config import KernelConfig, stat_dtype
 from ..._core.operands import Operands, differentiable_part, reduce_to
+from . import _relative
 from ._call import by_flag, planned_call, read_step, split_refs
 from ._operands import SUBLANES, BlockOperands, lane_blocks, masks_some_pairs, prepare
 from ._plan import Layout, Plan, applies_mask_mod, backward_plan, forward_plan
@@ -79,9 +80,12 @@ def backward(cfg: KernelConfig, q: Array, k: Array, v: Array, ops: Operands, lse
     d_bias_wanted = ops.bias is not None and bool(wanted.bias)
     fused = tuning.fused_backward and dq_bytes <= FUSED_DQ_BYTES and not d_bias_wanted
     slopes = ops.alibi_slopes is not None and wanted.alibi_slopes is not None
+    relative = "relative" in dkv_ops.vectors and any(
+        jax.tree.leaves(wanted.score_mod_arrays))
     call = functools.partial(_dkv_call, cfg, bwd_plan, dkv_ops, u, tuning.backward_chunk(cfg),
-                             fused, slopes)
+                             fused, slopes, relative)
     results = list(on_tpu_or_interpreted(call, q_in, k, v, d_out, lse_u, delta))
+    d_windows = results.pop() if relative else None
     d_slopes = results.pop() if slopes else None
     d_bias = None
     if fused:
@@ -94,6 +98,13 @@ def backward(cfg: KernelConfig, q: Array, k: Array, v: Array, ops: Operands, lse
             functools.partial(_dq_call, cfg, fwd_plan, dq_ops, u, d_bias_wanted),
             q_in, k, v, d_out, lse_u, delta)
     d_ops = jax.tree.map(lambda _: None, differentiable_part(ops))
+    if d_windows is not None:
+        # Each step's window of the transposed vector starts where its tile's does.
+        outer, inner = (jnp.asarray(x) for x in (bwd_plan.outer, bwd_plan.inner))
+        starts = _relative.Vector.of(cfg, transposed=True).start(
+            outer * cfg.block_k, inner * cfg.block_q, cfg.block_k)
+        d_ops = dataclasses.replace(d_ops, score_mod_arrays=_relative.arrays_cotangent(
+            cfg, ops, wanted.score_mod_arrays, d_windows, starts))
     if d_bias_wanted:
         like = ops.bias
         assert d_bias is not None and like is not None
@@ -137,8 +148,8 @@ def _summed_to(x: Array, shape: tuple[int, ...]) -> Array:
 
 
 def _dkv_call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units,
-              chunk: int, fused: bool, slopes: bool, q, k, v, d_out, lse, delta, *,
-              interpret: bool):
+              chunk: int, fused: bool, slopes: bool, relative: bool, q, k, v, d_out, lse,
+              delta, *, interpret: bool):
     b, h, g, seq_q, d = q.shape
     dv = v.shape[-1]
     bq, bk = cfg.block_q, cfg.block_k
@@ -183,9 +194,14 @@ def _dkv_call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units,
                                       lambda bi, hi, t, outer, *tables: (
                                           bi, hi, outer[at(bi, hi, t)], 0, 0, 0)))
         outputs.append(((b, h, num_k, g, 1, chunk), jnp.float32))
+    if relative:  # per step, the cotangent of its window of the relative vector
+        out_specs.append(pl.BlockSpec((None, None, None, g, 1, bk + bq),
+                                      lambda bi, hi, t, *tables: (bi, hi, t, 0, 0, 0)))
+        outputs.append(((b, h, plan.layout.steps, g, 1, bk + bq), jnp.float32))
+        blocks += 2 * 4 * g * SUBLANES * (bk + bq)
     kernel = functools.partial(_dkv_kernel, cfg=cfg, operands=operands, u=u, chunk=chunk,
                                layout=plan.layout, listed=plan.listed, fused=fused,
-                               slopes=slopes)
+                               slopes=slopes, relative=relative)
     return planned_call(
         kernel, plan=plan, operands=operands, blocks=(bq, bk), heads=(b, h),
         in_specs=in_specs,
@@ -196,11 +212,12 @@ def _dkv_call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units,
 
 def _dkv_kernel(outer_ref, inner_ref, code_ref, *refs, cfg: KernelConfig,
                 operands: BlockOperands, u: Units, chunk: int, layout: Layout, listed: bool,
-                fused: bool, slopes: bool):
+                fused: bool, slopes: bool, relative: bool):
     tables, (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), operand_refs, rest = split_refs(
         refs, operands, 6)
-    scratch = 3 if fused else 2  # the outputs come first, `ds_distance_ref` last of them
+    scratch = 3 if fused else 2  # the outputs come first, the optional ones last
     outputs, rest = list(rest[:-scratch]), rest[-scratch:]
+    d_window_ref = outputs.pop() if relative else None
     ds_distance_ref = outputs.pop() if slopes else None
     if fused:
         dq_ref, dk_ref, dv_ref, dk_acc, dv_acc, dq_acc = (*outputs, *rest)
@@ -218,6 +235,9 @@ def _dkv_kernel(outer_ref, inner_ref, code_ref, *refs, cfg: KernelConfig,
         @pl.when(at.t == 0)
         def _init_dq():
             dq_acc[...] = jnp.zeros(dq_acc.shape, stat)
+
+    if d_window_ref is not None:  # every step writes its own window (0 if it has none)
+        d_window_ref[...] = jnp.zeros(d_window_ref.shape, d_window_ref.dtype)
 
     @pl.when(at.first)
     def _init():
@@ -247,6 +267,8 @@ def _dkv_kernel(outer_ref, inner_ref, code_ref, *refs, cfg: KernelConfig,
                 term = add_terms(term, operands.pair_term(operand_refs, "bias", (bk, chunk),
                                                           group, queries=queries))
                 q_start = qb * bq + c * chunk
+                term = add_terms(term, operands.relative_term(
+                    cfg, operand_refs, "relative", j * bk, q_start, (bk, chunk), g, group))
                 indices = operands.global_indices(operand_refs, group, queries=queries)
                 mod = score_mod(cfg, u, bi=bi, hi=hi, groups=g, q_start=q_start,
                                 k_start=j * bk, group=group, indices=indices)
@@ -271,6 +293,9 @@ def _dkv_kernel(outer_ref, inner_ref, code_ref, *refs, cfg: KernelConfig,
                 if ds_distance_ref is not None:
                     assert distance is not None
                     ds_distance_ref[group] += jnp.sum(ds * distance, axis=0, keepdims=True)
+                if d_window_ref is not None:  # its tile's window, `c * chunk` into the step's
+                    d_window_ref[group, :, c * chunk:c * chunk + bk + chunk] += (
+                        _relative.toeplitz_adjoint(ds))
                 dk = dk + dot(ds.astype(q.dtype), q, NN, stat)
                 if fused:
                     rows = pl.ds(qb * bq + c * chunk, chunk)
@@ -396,6 +421,8 @@ def _dq_kernel(outer_ref, inner_ref, code_ref, *refs, cfg: KernelConfig,
             term = per_head_term(operands.alibi_coefficients(
                 tables, bi, hi, pl.num_programs(1), g), distance)
         term = add_terms(term, operands.pair_term(operand_refs, "bias", (g, bq, bk)))
+        term = add_terms(term, operands.relative_term(cfg, operand_refs, "relative", i * bq,
+                                                      kb * bk, (bq, bk), g))
         indices = operands.global_indices(operand_refs)
         mod = score_mod(cfg, u, bi=bi, hi=hi, groups=g, q_start=i * bq, k_start=kb * bk,
                         indices=indices)

@@ -16,11 +16,13 @@ from jaxtyping import Array
 
 from ..._core.config import KernelConfig, stat_dtype
 from ..._core.operands import Operands
+from ..._mods.position_bias import RelativeScoreMod
 from ..contract import Call, KernelFamily, Machine
 from ..xla.policy import configure as xla_configure
 from . import backward as _backward
 from . import forward as _forward
 from . import tangent as _tangent
+from ._relative import MAX_VECTOR_BYTES, MULTIPLE, vector_bytes
 from ._tile_mods import uncovered
 from .policy import blocks, with_block_mask
 
@@ -53,6 +55,15 @@ def covers(cfg: KernelConfig, call: Call) -> str | None:
         (call.shapes.dim > MAX_DIM or call.shapes.dim_v > MAX_DIM,
          f"head dims above {MAX_DIM}"),
     ]
+    if isinstance(call.score_mod, RelativeScoreMod):
+        unsupported += [
+            (call.pieces, "a RelativeScoreMod on the ring's pieces (its offsets are the "
+             "whole sequence's)"),
+            (cfg.block_q % MULTIPLE != 0, f"a RelativeScoreMod with a block_mask built at "
+             f"query blocks of {cfg.block_q} (its term needs blocks of whole {MULTIPLE}s)"),
+            (vector_bytes(cfg, call.shapes.groups) > MAX_VECTOR_BYTES,
+             "a RelativeScoreMod at sequences whose bias vectors do not fit in VMEM"),
+        ]
     reasons = [reason for missing, reason in unsupported if missing]
     # A score_mod / mask_mod: what Mosaic can run of it (`_tile_mods.uncovered`).
     reasons += [reason for reason in (

@@ -7,12 +7,15 @@ seq 4096, forward+backward 1.31x); with a causal/window band, 1024 x 1024 (large
 leave more of the masked triangle inside the diagonal blocks). The query heads of a kv
 head share a block's rows, so `block_q` shrinks with them. Explicit sizes are honoured,
 rounded up to the TPU's tiles (16 query rows, 128 keys), and every size is cut to the
-sequence. A `block_mask` built at blocks that divide these is read coarsened; one built at
-other blocks of whole tiles sets the blocks (`with_block_mask`).
+sequence; with a `RelativeScoreMod`, query blocks are whole 128s. A `block_mask` built
+at blocks that divide these is read coarsened; one built at other blocks of whole tiles
+sets the blocks (`with_block_mask`).
 """
 
 from ..._core.config import KernelConfig
+from ..._mods.position_bias import RelativeScoreMod
 from ..contract import Call
+from ._relative import MULTIPLE as RELATIVE_TILE
 
 ROWS, BLOCK_K = 2048, 1024
 BANDED_ROWS, BANDED_BLOCK_K = 1024, 1024
@@ -36,6 +39,9 @@ def blocks(call: Call, cfg: KernelConfig) -> tuple[int, int]:
         block_k = _up(options.block_k, KEY_TILE)
     del cfg
     chosen = (min(block_q, _up(shapes.seq_q, ROW_TILE)), min(block_k, _up(shapes.seq_k, KEY_TILE)))
+    if isinstance(call.score_mod, RelativeScoreMod):
+        # Its term is built on whole vregs (`_relative`): short queries pad up to one.
+        chosen = (_up(chosen[0], RELATIVE_TILE), chosen[1])
     return with_block_mask(call, chosen) or chosen
 
 

@@ -49,7 +49,7 @@ def forward_and_tangent(cfg: KernelConfig, q: Array, k: Array, v: Array, ops: Op
                         ) -> tuple[Array, Array, Array, Array, Array]:
     """The family contract's `forward_and_tangent`: `(out, lse, max_score, d_out,
     d_lse)` for tangents `dq`, `dk`, `dv` (None: zero) and `d_ops` (of the operands
-    the family covers: ALiBi's slopes, a bias)."""
+    the family covers: ALiBi's slopes, a bias, a `RelativeScoreMod`'s arrays)."""
     plan = forward_plan(cfg, ops.block_flags)
     masked = masks_some_pairs(cfg, ops, plan.any_partial)
     u = units(cfg, q.dtype, tuning)
@@ -158,6 +158,8 @@ def _kernel(outer_ref, inner_ref, code_ref, *refs, cfg: KernelConfig,
             score_term = add_terms(score_term, operands.pair_term(
                 operand_refs, "bias", (g, bq, chunk), keys=keys))
             k_start = kb * bk + c * chunk
+            score_term = add_terms(score_term, operands.relative_term(
+                cfg, operand_refs, "relative", i * bq, k_start, (bq, chunk), g))
             indices = operands.global_indices(operand_refs, keys=keys)
             mod = score_mod(cfg, u, bi=bi, hi=hi, groups=g, q_start=i * bq, k_start=k_start,
                             indices=indices)
@@ -174,6 +176,8 @@ def _kernel(outer_ref, inner_ref, code_ref, *refs, cfg: KernelConfig,
                 ds = add_terms(ds, per_head_term(d_alibi, distance))
             ds = add_terms(ds, operands.pair_term(operand_refs, "bias_tangent",
                                                   (g, bq, chunk), keys=keys))
+            ds = add_terms(ds, operands.relative_term(
+                cfg, operand_refs, "relative_tangent", i * bq, k_start, (bq, chunk), g))
             if ds is not None and slope is not None:
                 ds = ds * slope
             if ds is not None and t is not None:

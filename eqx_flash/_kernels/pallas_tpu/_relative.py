@@ -1,0 +1,196 @@
+"""A `RelativeScoreMod` in the Pallas kernels: `score + bias(head, kv_idx - q_idx)` as a
+Toeplitz term built in the kernel from one vector per query head.
+
+The bias depends on the key-minus-query offset alone, so it is evaluated once per call,
+by plain JAX outside the kernels (`vectors`: table lookups and all), on every offset
+the padded sequences have. A tile whose rows start at position `row0` and whose columns
+start at `col0` then needs the window of `rows + cols` offsets that starts at `col0 -
+row0 - rows`, and its term is the Toeplitz matrix `T[r, c] = w[c - r + rows]` of that
+window (`toeplitz`). Rows are queries in the forward, dq and tangent kernels (columns
+minus rows is `kv_idx - q_idx`) and keys in the dk/dv kernel, which reads the vector of
+the negated offsets (`Vector.sign`), so both build the same way.
+
+The build uses only lane rotations by static amounts (which Mosaic lowers on whole
+`(8, 128)` tiles): eight rows of the window each rotated by its row, 16 such groups
+rotated by 8 more each make 128 rows, and each further 128 rows are the same rotated by
+a whole vreg. Its adjoint (`toeplitz_adjoint`, the dk/dv kernel's gradient of the
+window: the cotangent summed along the tile's diagonals) undoes the same rotations in
+reverse. Every tile dimension is a multiple of 128 (`MULTIPLE`: the family pads the
+query blocks up to one), so every window starts on a whole vreg.
+"""
+
+import dataclasses
+import functools
+import operator
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jaxtyping import Array
+
+from ..._core.config import KernelConfig
+from ..._core.operands import Operands
+from ..._mods.position_bias import RelativeScoreMod
+
+MULTIPLE = 128  # every tile's rows and columns (and so every window's start)
+_SUBLANES = 8
+# A kernel holds a kv head's vectors whole in VMEM (double-buffered): past this, longer
+# sequences run on the pure-JAX kernels (`family.covers`).
+MAX_VECTOR_BYTES = 32 * 2**20
+
+
+def vector_bytes(cfg: KernelConfig, groups: int) -> int:
+    """The VMEM one kernel's vector takes, double-buffered."""
+    seq_q, seq_k = cfg.padded_seq
+    return 2 * 4 * groups * _SUBLANES * (seq_q + seq_k)
+
+
+def module_type(cfg: KernelConfig) -> bool:
+    """Whether the call's `score_mod` is a `RelativeScoreMod` the kernels build as a term
+    (its static half, as `_mods.tracing.split_mod` keeps it)."""
+    mods = cfg.mods
+    if mods is None or mods.score is None or mods.score.traced:
+        return False
+    return isinstance(mods.score.static.value, RelativeScoreMod)
+
+
+def _module(cfg: KernelConfig, arrays: Any, consts: Any) -> RelativeScoreMod:
+    assert cfg.mods is not None and cfg.mods.score is not None
+    return eqx.combine(arrays, consts, cfg.mods.score.static.value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Vector:
+    """Where offsets sit in a kernel's vector: entry `t` holds the bias at offset
+    `sign * (t - origin)` (columns minus rows, then in the sequences' own direction);
+    `origin` is the rows' padded length, so every window starts at an index >= 0, and
+    `length` the two padded lengths together, so every window ends inside."""
+
+    sign: int
+    origin: int
+    length: int
+
+    @staticmethod
+    def of(cfg: KernelConfig, transposed: bool) -> "Vector":
+        seq_q, seq_k = cfg.padded_seq
+        return Vector(-1 if transposed else 1, seq_k if transposed else seq_q, seq_q + seq_k)
+
+    def offsets(self) -> Array:
+        return self.sign * (jnp.arange(self.length, dtype=jnp.int32) - self.origin)
+
+    def start(self, row0: Any, col0: Any, rows: int) -> Any:
+        """The window of a tile whose rows start at `row0` and columns at `col0`."""
+        return col0 - row0 - rows + self.origin
+
+
+def _values(cfg: KernelConfig, module: RelativeScoreMod, heads: int, groups: int,
+            where: Vector) -> Array:
+    """`(1, kv heads, groups, 8, length)` float32: each query head's bias on every offset
+    of `where`, repeated along the sublanes (as the kernels read a vector). Offsets only
+    padding reaches are 0: a bias that is not finite there (a lookup past its table)
+    must not reach the padded rows' gradients."""
+    head = jnp.arange(heads * groups, dtype=jnp.int32)[:, None]
+    offsets = where.offsets()[None, :]
+    bias = jnp.broadcast_to(module.bias(head, offsets),
+                            (heads * groups, where.length)).astype(jnp.float32)
+    reached = (offsets > -cfg.seq_q) & (offsets < cfg.seq_k)
+    bias = jnp.where(reached, bias, 0.0)
+    bias = bias.reshape(1, heads, groups, 1, where.length)
+    return jnp.broadcast_to(bias, (1, heads, groups, _SUBLANES, where.length))
+
+
+def vectors(cfg: KernelConfig, ops: Operands, heads: tuple[int, ...], transposed: bool,
+            d_ops: Operands | None = None) -> dict[str, Array]:
+    """The kernels' vectors for `heads = (batch, kv heads, groups)`: `"relative"` and,
+    with the arrays' tangents in `d_ops`, `"relative_tangent"` (its jvp); empty without
+    a `RelativeScoreMod`."""
+    if not module_type(cfg):
+        return {}
+    where = Vector.of(cfg, transposed)
+    _, h, g = heads
+
+    def values(arrays: Any) -> Array:
+        return _values(cfg, _module(cfg, arrays, ops.score_mod_consts), h, g, where)
+
+    if d_ops is None or d_ops.score_mod_arrays is None:
+        return {"relative": values(ops.score_mod_arrays)}
+    value, tangent = jax.jvp(values, (ops.score_mod_arrays,), (d_ops.score_mod_arrays,))
+    return {"relative": value, "relative_tangent": tangent}
+
+
+def arrays_cotangent(cfg: KernelConfig, ops: Operands, wanted: Any, windows: Array,
+                     starts: Array) -> Any:
+    """The cotangent of the module's arrays marked in `wanted` (None elsewhere, as the
+    xla family returns them) from the dk/dv kernel's per-step window cotangents
+    `windows` `(b, h, steps, g, 1, width)`, each starting at `starts` `(b|1, h|1,
+    steps)` of the transposed kernels' vector."""
+    where = Vector.of(cfg, transposed=True)
+    b, h, steps, g, _, width = windows.shape
+    index = (jnp.broadcast_to(starts, (b, h, steps))[..., None]
+             + jnp.arange(width, dtype=jnp.int32)[None, None, None, :])
+    flat = jnp.broadcast_to(index[:, :, :, None, :], (b, h, steps, g, width))
+    heads = (jnp.arange(h)[:, None] * g + jnp.arange(g)[None, :])  # (h, g)
+    head_index = jnp.broadcast_to(heads[None, :, None, :, None], flat.shape)
+    d_vector = jnp.zeros((h * g, where.length), jnp.float32).at[
+        head_index.reshape(-1), flat.reshape(-1)].add(windows.reshape(-1))
+    free, frozen = eqx.partition(ops.score_mod_arrays, wanted)
+
+    def values(free: Any) -> Array:
+        module = _module(cfg, eqx.combine(free, frozen), ops.score_mod_consts)
+        return _values(cfg, module, h, g, where)[0, :, :, 0].reshape(h * g, where.length)
+
+    _, vjp = jax.vjp(values, free)
+    return vjp(d_vector)[0]
+
+
+def window(ref: Any, group: int, start: Any, width: int) -> Array:
+    """`width` entries of query head `group`'s vector from `start` (a multiple of
+    `MULTIPLE`), `(8, width)`."""
+    return ref[group, :, pl.ds(pl.multiple_of(start, MULTIPLE), width)]
+
+
+def _roll(x: Array, shift: int) -> Array:
+    shift %= x.shape[-1]
+    return x if shift == 0 else pltpu.roll(x, shift, x.ndim - 1)
+
+
+def _total(parts: list[Array]) -> Array:
+    return functools.reduce(operator.add, parts)
+
+
+def _row_is(shape: tuple[int, ...], row: int) -> Array:
+    return jax.lax.broadcasted_iota(jnp.int32, shape, 0) == row
+
+
+def toeplitz(w: Array, rows: int, cols: int) -> Array:
+    """`T[r, c] = w[c - r + rows]`, `(rows, cols)`, from a window `w` `(8, rows + cols)`
+    (its eight rows equal)."""
+    width = w.shape[-1]
+    assert rows % MULTIPLE == 0 and width == rows + cols, (rows, cols, w.shape)
+    shifted = _roll(w, width - rows)  # shifted[y] = w[y + rows]
+    # eight[s, x] = shifted[x - s]; then rows 8 i + s of the first 128 rotated by 8 i.
+    eight = _total([jnp.where(_row_is(w.shape, s), _roll(shifted, s), 0.0)
+                    for s in range(_SUBLANES)])
+    first = jnp.concatenate([_roll(eight, _SUBLANES * i)
+                             for i in range(MULTIPLE // _SUBLANES)], axis=0)
+    return jnp.concatenate([_roll(first, MULTIPLE * a)[:, :cols]
+                            for a in range(rows // MULTIPLE)], axis=0)
+
+
+def toeplitz_adjoint(ds: Array) -> Array:
+    """The cotangent of `toeplitz`'s window for the cotangent `ds` `(rows, cols)` of its
+    tile: `(1, rows + cols)`, `ds` summed along each diagonal."""
+    rows, cols = ds.shape
+    assert rows % MULTIPLE == 0 and cols % MULTIPLE == 0, ds.shape
+    padded = jnp.concatenate([ds, jnp.zeros((rows, rows), ds.dtype)], axis=1)
+    first = _total([_roll(padded[a * MULTIPLE:(a + 1) * MULTIPLE], -MULTIPLE * a)
+                    for a in range(rows // MULTIPLE)])
+    eight = _total([_roll(first[i * _SUBLANES:(i + 1) * _SUBLANES], -_SUBLANES * i)
+                    for i in range(MULTIPLE // _SUBLANES)])
+    shifted = _total([_roll(jnp.where(_row_is(eight.shape, s), eight, 0.0), -s)
+                      for s in range(_SUBLANES)])
+    total = jnp.sum(shifted, axis=0, keepdims=True)
+    return _roll(total, rows)
