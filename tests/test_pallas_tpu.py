@@ -294,19 +294,77 @@ def test_relative_score_mods_against_reference(name):
     assert_close(got[4], want[4], kind="grad", name="jvp lse")
 
 
+def _documents(q_ids, kv_ids):
+    def same_document(b, h, i, j):  # FlexAttention's document mask: ids by position
+        return q_ids[b, i] == kv_ids[b, j]
+
+    return same_document
+
+
+def _key_kinds(kinds):
+    def by_kind(score, b, h, i, j):  # a per-key int array and a per-head factor
+        return score + jnp.where(kinds[j] == 1, -1.0, 0.5) * (h + 1).astype(score.dtype)
+
+    return by_kind
+
+
+def _bounded(score, b, h, i, j):  # `erf` of one side's positions: computed outside
+    near = jax.lax.erf(i.astype(score.dtype) / 80.0) - jnp.tanh(j.astype(score.dtype) / 90.0)
+    return score + near
+
+
+def test_mods_reading_arrays_by_position_against_reference():
+    """A `mask_mod`/`score_mod` reading arrays by one side's positions (document ids per
+    batch element, a kind per key; `erf` of the query positions, which Mosaic does not
+    lower) runs split: the per-position values computed outside the kernels, read per
+    tile like segment ids, the rest evaluated in the kernels. Values, lse, the
+    gradients of q, k, v and a jvp against `plain_attention` (GQA 4/2; 200 queries on
+    300 keys), with the arrays closed over as constants and as traced values of an
+    outer `jit`."""
+    q, k, v = qkv(41, (2, 4, 200, 32), (2, 2, 300, 32))
+    q_ids = jnp.stack([jnp.arange(200) // 50, jnp.arange(200) // 70])
+    kv_ids = jnp.stack([jnp.arange(300) // 75, jnp.arange(300) // 105])
+    kinds = jnp.arange(300) % 3
+    _compare(q, k, v, mask_mod=_documents(q_ids, kv_ids), causal=True)
+    _compare(q, k, v, score_mod=_key_kinds(kinds), mask_mod=_documents(q_ids, kv_ids))
+    _compare(q, k, v, score_mod=_bounded, window=(60, 20))
+
+    def run(attention, q, k, v, q_ids, kv_ids, kinds):
+        options = dict(score_mod=_key_kinds(kinds), mask_mod=_documents(q_ids, kv_ids))
+        out, lse = attention(q, k, v, **options)
+        grads = jax.grad(lambda q, k, v: _loss(attention, q, k, v, **options),
+                         argnums=(0, 1, 2))(q, k, v)
+        _, (t_out, _) = jax.jvp(lambda q: attention(q, k, v, **options), (q,), (jnp.cos(q),))
+        return out, lse, grads, t_out
+
+    pallas = functools.partial(flash_attention, **PALLAS, **BLOCKS)
+    got = jax.jit(functools.partial(run, pallas))(q, k, v, q_ids, kv_ids, kinds)
+    want = jax.jit(functools.partial(run, plain_attention))(q, k, v, q_ids, kv_ids, kinds)
+    assert_close(got[0], want[0], name="out")
+    assert_lse_close(got[1], want[1], jnp.float32)
+    for name, a, b in zip("qkv", got[2], want[2], strict=True):
+        assert_close(a, b, kind="grad", name=f"d{name}")
+    assert_close(got[3], want[3], kind="grad", name="jvp out")
+
+
 def test_which_mods_run_in_the_kernels():
-    """Elementwise functions holding no arrays, and `RelativeScoreMod`s, run in the
-    kernels; the rest are named."""
+    """Elementwise functions holding no arrays, those reading arrays by one side's
+    positions, and `RelativeScoreMod`s run in the kernels; the rest are named."""
     q, k, v = qkv(23, (1, 2, 64, 16), (1, 2, 64, 16))
     table = jnp.linspace(0.0, -1.0, 8)
+    ids = jnp.arange(64) // 16
 
-    def looked_up(score, b, h, i, j):  # a table lookup: a gather over a closed-over array
+    def looked_up(score, b, h, i, j):  # a lookup by both positions: a gather per pair
         return score + table[jnp.clip(i - j, 0, 7)]
+
+    def running_ids(b, h, i, j):  # ids at a cumulative sum of positions: not per position
+        return ids[jnp.clip(jnp.cumsum(i, axis=1), 0, 63)] == ids[j]
 
     relative = eqx_flash.RelativePositionBias(2, key=jax.random.key(0))
     reasons = {
-        "closing over arrays": dict(score_mod=looked_up),
-        "holding arrays": dict(score_mod=_PerHeadTemperature(jnp.ones(2))),
+        "applies `gather` to the scores or to both positions": dict(score_mod=looked_up),
+        "floating arrays": dict(score_mod=_PerHeadTemperature(jnp.ones(2))),
+        "read through `cumsum` of positions": dict(mask_mod=running_ids),
         "block_mask built at blocks (24, 40)": dict(
             mask_mod=sliding_prefix, block_mask=eqx_flash.make_block_mask(
                 sliding_prefix, (1,), 2, 64, 64, block_q=24, block_k=40)),
@@ -331,7 +389,8 @@ def test_which_mods_run_in_the_kernels():
                                              score_mod=relative)
     assert family is None and "do not fit in VMEM" in reason, reason
     for options in (dict(score_mod=capped_distance, mask_mod=sliding_prefix),
-                    dict(score_mod=relative, causal=True)):
+                    dict(score_mod=relative, causal=True),
+                    dict(mask_mod=lambda b, h, i, j: ids[i] == ids[j])):
         family, _ = eqx_flash.kernel_family(q, k, v, kernels="pallas_tpu", **options)
         assert family == "pallas_tpu", options
 

@@ -201,3 +201,37 @@ def test_relative_score_mods_lower_to_mosaic_kernels(blocks):
                     q, kv, kv, None if b is None else b, relative)
                 assert exported.mlir_module().count("tpu_custom_call") == count, (
                     options, fn.__name__)
+
+
+@pytest.mark.parametrize("blocks", [BLOCKS, {}], ids=["blocks 64x128", "default blocks"])
+def test_mods_reading_arrays_by_position_lower_to_mosaic_kernels(blocks):
+    """A `mask_mod` reading document ids by position and a `score_mod` reading a kind
+    per key (arrays traced by the exported function) run split: their per-position
+    values are computed outside and read per tile, so the gradient still exports to
+    exactly two Mosaic kernels and the jvp to one, in float32 and bfloat16."""
+    for dtype in (jnp.float32, jnp.bfloat16):
+        q = jax.ShapeDtypeStruct((2, 4, 160, 64), dtype)
+        kv = jax.ShapeDtypeStruct((2, 2, 300, 64), dtype)
+        ids = (jax.ShapeDtypeStruct((2, 160), jnp.int32),
+               jax.ShapeDtypeStruct((2, 300), jnp.int32), jax.ShapeDtypeStruct((300,), jnp.int32))
+
+        def mods(q_ids, kv_ids, kinds):
+            def same_document(b, h, i, j):
+                return q_ids[b, i] == kv_ids[b, j]
+
+            def by_kind(score, b, h, i, j):
+                return score + jnp.where(kinds[j] == 1, -1.0, 0.5).astype(score.dtype)
+
+            return dict(mask_mod=same_document, score_mod=by_kind, causal=True)
+
+        def grad(q, k, v, *arrays):
+            flash = functools.partial(flash_attention, **PALLAS, **blocks, **mods(*arrays))
+            return jax.grad(functools.partial(_loss, flash), argnums=(0, 1, 2))(q, k, v)
+
+        def jvp(q, k, v, *arrays):
+            return jax.jvp(lambda q: flash_attention(q, k, v, **PALLAS, **blocks,
+                                                     **mods(*arrays))[0], (q,), (q,))
+
+        for fn, kernels in ((grad, 2), (jvp, 1)):
+            exported = jax.export.export(jax.jit(fn), platforms=("tpu",))(q, kv, kv, *ids)
+            assert exported.mlir_module().count("tpu_custom_call") == kernels, fn.__name__

@@ -28,19 +28,22 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jaxtyping import Array
 
-from ..._core.config import KernelConfig
+from ..._core.config import KernelConfig, stat_dtype
 from ..._core.operands import Operands
 from ..._core.options import Window
 from ..._semantics.dropout import flat_head_index, head_seed, keep_for_head
 from ..._semantics.masking import length_mask, positional_mask, within_window
 from ..._semantics.score_terms import alibi_distance
 from . import _relative
+from ._split_mods import Split, analyse, side_values
 from ._tile import and_masks, fold_heads
+from ._tile_mods import ELEMENTWISE, TileMods
 
 LANES, SUBLANES = 128, 8
 
@@ -104,6 +107,9 @@ class BlockOperands:
     # A `RelativeScoreMod`'s vectors (`_relative`), after the pairs' arrays: "relative"
     # and, in the tangent kernel, "relative_tangent"; `(1, kv heads, g, 8, length)`.
     vectors: tuple[str, ...] = ()
+    # The `score_mod` and `mask_mod` that read arrays, split (`_split_mods`): their
+    # boundary values are sides named after them (None: the mod reads none, or is absent).
+    splits: tuple[Split | None, Split | None] = (None, None)
 
     def block_specs(self, block_q: int, block_k: int, at: Callable[..., Any]
                     ) -> list[pl.BlockSpec]:
@@ -221,6 +227,22 @@ class BlockOperands:
         k_pos = k_start + jax.lax.broadcasted_iota(
             jnp.int32, tuple(n if a == k_axis else 1 for a, n in enumerate(tile)), k_axis)
         return q_pos, k_pos
+
+    def tile_mods(self, refs: Sequence[Any], keys: Any = None, queries: Any = None
+                  ) -> TileMods | None:
+        """The boundary values of the split mods on a tile (its `keys`/`queries` slices
+        of the blocks), read per query head (None: no mod reads arrays)."""
+        if self.splits == (None, None):
+            return None
+        by_name = dict(zip((side.name for side in self.sides), refs[:len(self.sides)],
+                           strict=True))
+        sides = {side.name: side for side in self.sides}
+
+        def read(group: int) -> Callable[[str], Array]:
+            return lambda name: self._value(sides[name], by_name[name], group, keys,
+                                            queries)
+
+        return TileMods(*self.splits, read)
 
     def global_indices(self, refs: Sequence[Any], group: int | None = None, keys: Any = None,
                        queries: Any = None) -> tuple[Array, Array] | None:
@@ -482,6 +504,13 @@ def prepare(cfg: KernelConfig, ops: Operands, heads: tuple[int, ...], v: Array |
         ("pair_mask", ops.pair_mask), ("bias", ops.bias),
         ("bias_tangent", None if d_ops is None else d_ops.bias)) if x is not None]
     vectors = _relative.vectors(cfg, ops, heads, transposed, d_ops)
+    splits = _split(cfg, ops, heads)
+    for split in splits:
+        if split is not None:
+            for name, x, query in side_values(split, _mod_arrays(split.name, ops), heads,
+                                               cfg.padded_seq, (cfg.block_q, cfg.block_k),
+                                               stat_dtype(cfg.compute_dtype)):
+                add(name, x, query)
     masks_data = (bool(parts) or ops.has_lengths or ops.pair_mask is not None
                   or _has_mask_mod(cfg))
     if v is not None:
@@ -503,7 +532,35 @@ def prepare(cfg: KernelConfig, ops: Operands, heads: tuple[int, ...], v: Array |
         alibi_one_sided=(alibi == "indices" and cfg.band_window.right is not None
                          and cfg.band_window.right <= 0 and cfg.score_offset == cfg.offset),
         pairs=tuple(pair for pair, _ in pairs), bias_units=term_units,
-        vectors=tuple(vectors))
+        vectors=tuple(vectors), splits=splits)
+
+
+def _mod_arrays(name: str, ops: Operands) -> Any:
+    """The arrays a `score_mod` or `mask_mod` reads, as `_mods.tracing` calls it."""
+    if name == "score_mod":
+        return eqx.combine(ops.score_mod_arrays, ops.score_mod_consts)
+    return ops.mask_mod_arrays
+
+
+def _split(cfg: KernelConfig, ops: Operands, heads: tuple[int, ...]
+           ) -> tuple[Split | None, Split | None]:
+    """The call's `score_mod` and `mask_mod` split where they read arrays (or apply
+    what Mosaic does not lower to one side's positions): `family.covers` checked that
+    they can be."""
+    mods = cfg.mods
+    if mods is None:
+        return None, None
+    found: list[Split | None] = []
+    for name, fn in (("score_mod", mods.score), ("mask_mod", mods.mask)):
+        if fn is None or (name == "score_mod" and _relative.module_type(cfg)):
+            found.append(None)
+            continue
+        split = analyse(name, fn, _mod_arrays(name, ops), heads[2], cfg.block_q, cfg.block_k,
+                        stat_dtype(cfg.compute_dtype), ELEMENTWISE)
+        if isinstance(split, str):
+            raise NotImplementedError(f"kernels='pallas_tpu' does not cover {split}")
+        found.append(split if split.boundary or fn.traced else None)
+    return found[0], found[1]
 
 
 def _alibi_source(ops: Operands) -> str | None:

@@ -8,13 +8,16 @@ forward, dq and tangent kernels; keys along the rows, `transposed`, in the dk/dv
 An elementwise function of broadcasting arrays (what `_mods.tracing` checks for every
 family) gives the same values whatever the tile's shape or orientation.
 
-Mosaic lowers a fixed set of primitives. A function is run only if its jaxpr uses
-nothing else (`_ELEMENTWISE`: arithmetic, comparisons, selects, casts, broadcasts,
-transcendental functions) and reads no arrays: no PyTree leaves and no closed-over
-arrays, whose values a kernel would need as inputs (and, floating ones, whose gradient
-it would need to return). Anything else (a table lookup is a `gather`) runs on the
-pure-JAX kernels, which the family's `covers` says, except a `RelativeScoreMod`: its
-bias, a function of the offset alone, becomes a term the kernels build (`_relative`).
+Mosaic lowers a fixed set of primitives (`ELEMENTWISE`: arithmetic, comparisons,
+selects, casts, broadcasts, transcendental functions). A function using nothing else
+and reading no arrays is called as it is. One that reads arrays (its PyTree leaves,
+closed-over arrays) or applies another primitive by one side's positions only
+(`ids[b, q_idx]`, `scales[h]`) runs split (`_split_mods`): those values are computed
+outside the kernels, per position, and read per tile (`TileMods`). What is left runs on
+the pure-JAX kernels, which the family's `covers` says: a lookup by both positions (a
+`gather` per pair), a score_mod's floating arrays (their gradients), except a
+`RelativeScoreMod`, whose bias, a function of the offset alone, becomes a term the
+kernels build (`_relative`).
 
 A `score_mod` acts on the natural logits (after the scale and any bias, before the soft
 cap) as in every family: the kernels' logits in base-2 units are converted around it.
@@ -25,9 +28,8 @@ by it.
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax import core
@@ -35,12 +37,13 @@ from jaxtyping import Array
 
 from ..._core.config import KernelConfig
 from ..._mods.position_bias import RelativeScoreMod
-from ..._mods.tracing import ModFn, block_probe, sub_jaxprs
+from ..._mods.tracing import ModFn, block_probe, split_mod
 from ._relative import module_type as is_relative
+from ._split_mods import Split, analyse, evaluate
 from ._tile import ScoreMod, Units, fold_heads
 
 # Primitives every Mosaic lowering of this jax has a rule for, elementwise ones only.
-_ELEMENTWISE = frozenset({
+ELEMENTWISE = frozenset({
     "abs", "add", "and", "broadcast_in_dim", "ceil", "clamp", "convert_element_type",
     "copy", "copy_p", "cos", "div", "eq", "exp", "exp2", "expm1", "floor", "ge", "gt",
     "integer_pow", "is_finite", "le", "log", "log1p", "logistic", "lt", "max", "min",
@@ -48,32 +51,28 @@ _ELEMENTWISE = frozenset({
     "shift_left", "shift_right_arithmetic", "shift_right_logical", "sign", "sin", "sqrt",
     "square", "stop_gradient", "sub", "tanh", "xor",
 })
-# Higher-order primitives whose inner jaxprs are checked instead (`jnp.where` is a
-# `jit`; `jax.nn` functions carry custom derivatives).
-_NESTED = frozenset({"jit", "pjit", "closed_call", "custom_jvp_call", "custom_vjp_call",
-                     "custom_vjp_call_jaxpr", "remat", "checkpoint"})
-
-
-def uncovered(name: str, mod: Callable[..., Any] | None, groups: int, dtype: Any
-              ) -> str | None:
+def uncovered(name: str, mod: Callable[..., Any] | None, groups: int, dtype: Any,
+              pieces: bool = False) -> str | None:
     """Why the kernels cannot run `mod` (a `score_mod`, or a `mask_mod` without the
-    scores), or None where they can."""
+    scores), or None where they can (`pieces`: on the ring's pieces)."""
     if mod is None:
         return None
     if name == "score_mod" and isinstance(mod, RelativeScoreMod):
         return _uncovered_relative(mod, groups)
-    if jax.tree.leaves(eqx.filter(mod, eqx.is_array)):
-        return f"a {name} holding arrays (their values and gradients in the kernels)"
     probe = block_probe(groups, 8, 128, dtype)
     try:
-        closed = jax.make_jaxpr(mod)(*(probe if name == "score_mod" else probe[1:]))
+        fn, _, arrays = split_mod(name, mod, probe if name == "score_mod" else probe[1:])
     except Exception:  # noqa: BLE001 - the families' own checks say what is wrong
         return f"a {name} that does not trace on a block"
-    if closed.consts:
-        return f"a {name} closing over arrays (their values in the kernels)"
-    found = _unlowered(closed.jaxpr)
-    if found is not None:
-        return f"a {name} applying `{found}` (Mosaic runs elementwise functions)"
+    if name == "score_mod" and any(jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+                                   for x in jax.tree.leaves(arrays)):
+        return ("a score_mod holding or closing over floating arrays (their gradients in "
+                "the kernels)")
+    split = analyse(name, fn, arrays, groups, 8, 128, dtype, ELEMENTWISE)
+    if isinstance(split, str):
+        return split
+    if split.boundary and pieces:
+        return f"a {name} reading arrays on the ring's pieces"
     return None
 
 
@@ -100,26 +99,27 @@ def _uncovered_relative(mod: RelativeScoreMod, groups: int) -> str | None:
     return None
 
 
-def _unlowered(jaxpr: Any) -> str | None:
-    """The first primitive of `jaxpr` (or of a jaxpr inside it) outside `_ELEMENTWISE`."""
-    for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        if name in _NESTED:
-            for sub in sub_jaxprs(eqn.params):
-                found = _unlowered(sub)
-                if found is not None:
-                    return found
-            continue
-        if name not in _ELEMENTWISE:
-            return name
-    return None
+class TileMods(NamedTuple):
+    """What a tile's `score_mod`/`mask_mod` read besides their indices, for those that
+    read arrays: their splits (`_split_mods`; None for one that reads none) and
+    `read(group)`, the reader of query head `group`'s boundary values on this tile."""
+
+    score: Split | None
+    mask: Split | None
+    read: Callable[[int], Callable[[str], Array]]
 
 
-def _function(fn: ModFn) -> Callable[..., Any]:
-    """The user's function (`uncovered` let through only those without arrays, so the
-    static half of their split is the whole of it)."""
-    assert not fn.traced
-    return fn.static.value
+def _function(fn: ModFn, split: Split | None, tile: TileMods | None, head: int
+              ) -> Callable[..., Any]:
+    """The function to call on query head `head`'s part of a tile: the user's own where
+    it reads no arrays (the static half of its split is the whole of it), else its
+    kernel half with the boundary values read from the tile's operands."""
+    if split is None:
+        assert not fn.traced
+        return fn.static.value
+    assert tile is not None
+    read = tile.read(head)
+    return lambda *args: evaluate(split, args, read)
 
 
 def _indices(bi: Array, head: Array | int, q_start: Array | int, k_start: Array | int,
@@ -149,8 +149,8 @@ def _heads(groups: int, group: int | None) -> list[int]:
 def apply_score_mod(cfg: KernelConfig, units: float, s: Array, *, bi: Array, hi: Array,
                     groups: int, q_start: Array | int, k_start: Array | int,
                     group: int | None = None, derivative: bool = False,
-                    indices: tuple[Array, Array] | None = None
-                    ) -> tuple[Array, Array | None]:
+                    indices: tuple[Array, Array] | None = None,
+                    tile: TileMods | None = None) -> tuple[Array, Array | None]:
     """The `score_mod` on the tile `s` of logits in `units` (natural logits times
     `units`): its value in the same units, and (with `derivative`) its derivative in the
     logits, elementwise. `s` is `(g * n, cols)` with the query heads folded into its rows,
@@ -158,10 +158,11 @@ def apply_score_mod(cfg: KernelConfig, units: float, s: Array, *, bi: Array, hi:
     mods = cfg.mods
     if mods is None or mods.score is None:
         return s, None
-    score_mod = _function(mods.score)
     transposed = group is not None
 
     def on_head(x: Array, h: int) -> tuple[Array, Array | None]:
+        assert mods.score is not None
+        score_mod = _function(mods.score, None if tile is None else tile.score, tile, h)
         idx = _indices(bi, hi * groups + h, q_start, k_start, x.shape, transposed, indices)
 
         def natural(x: Array) -> Array:
@@ -186,19 +187,20 @@ def apply_score_mod(cfg: KernelConfig, units: float, s: Array, *, bi: Array, hi:
 
 def apply_mask_mod(cfg: KernelConfig, bi: Array, hi: Array, groups: int,
                    q_start: Array | int, k_start: Array | int, shape: tuple[int, int],
-                   group: int | None = None, indices: tuple[Array, Array] | None = None
-                   ) -> Array | None:
+                   group: int | None = None, indices: tuple[Array, Array] | None = None,
+                   tile: TileMods | None = None) -> Array | None:
     """Which pairs of a tile the `mask_mod` keeps (None without one): `(g, n, cols)` for
     a folded tile of `shape` `(g * n, cols)` (the layout the kernels' masks broadcast
     in), or `shape` itself, `(keys, queries)`, for one query head `group`."""
     mods = cfg.mods
     if mods is None or mods.mask is None:
         return None
-    mask_mod = _function(mods.mask)
     transposed = group is not None
     rows = shape[0] if transposed else shape[0] // groups
 
     def on_head(h: int) -> Array:
+        assert mods.mask is not None
+        mask_mod = _function(mods.mask, None if tile is None else tile.mask, tile, h)
         idx = _indices(bi, hi * groups + h, q_start, k_start, (rows, shape[1]), transposed,
                        indices)
         return jnp.broadcast_to(mask_mod(*idx), (rows, shape[1]))
@@ -214,12 +216,12 @@ def apply_mask_mod(cfg: KernelConfig, bi: Array, hi: Array, groups: int,
 
 def score_mod(cfg: KernelConfig, u: Units, *, bi: Array, hi: Array, groups: int,
               q_start: Array | int, k_start: Array | int, group: int | None = None,
-              derivative: bool = True, indices: tuple[Array, Array] | None = None
-              ) -> ScoreMod | None:
+              derivative: bool = True, indices: tuple[Array, Array] | None = None,
+              tile: TileMods | None = None) -> ScoreMod | None:
     """The `score_mod` of one tile as `_tile.logits` takes it, with its derivative where
     asked (the backward and the tangent kernels); None without a score_mod."""
     if cfg.mods is None or cfg.mods.score is None or is_relative(cfg):
         return None
     return functools.partial(apply_score_mod, cfg, u.before_cap, bi=bi, hi=hi, groups=groups,
                              q_start=q_start, k_start=k_start, group=group,
-                             derivative=derivative, indices=indices)
+                             derivative=derivative, indices=indices, tile=tile)

@@ -270,15 +270,18 @@ def _dkv_kernel(outer_ref, inner_ref, code_ref, *refs, cfg: KernelConfig,
                 term = add_terms(term, operands.relative_term(
                     cfg, operand_refs, "relative", j * bk, q_start, (bk, chunk), g, group))
                 indices = operands.global_indices(operand_refs, group, queries=queries)
+                tile_mods = operands.tile_mods(operand_refs, queries=queries)
                 mod = score_mod(cfg, u, bi=bi, hi=hi, groups=g, q_start=q_start,
-                                k_start=j * bk, group=group, indices=indices)
+                                k_start=j * bk, group=group, indices=indices,
+                                tile=tile_mods)
                 st, t, slope = logits(cfg, u, k, q, stat, term, mod)  # (bk, chunk)
                 mask = operands.mask(cfg, operand_refs, tables, bi, q_start,
                                      j * bk, (bk, chunk), positional, group,
                                      queries=queries)
                 if applies_mask_mod(positional, listed):
                     mask = and_masks(mask, apply_mask_mod(cfg, bi, hi, g, q_start, j * bk,
-                                                          (bk, chunk), group, indices))
+                                                          (bk, chunk), group, indices,
+                                                          tile_mods))
                 if mask is not None:
                     st = jnp.where(mask, st, -jnp.inf)
                 p = u.exp(st - lse_ref[group, 0:1, queries])
@@ -424,15 +427,17 @@ def _dq_kernel(outer_ref, inner_ref, code_ref, *refs, cfg: KernelConfig,
         term = add_terms(term, operands.relative_term(cfg, operand_refs, "relative", i * bq,
                                                       kb * bk, (bq, bk), g))
         indices = operands.global_indices(operand_refs)
+        tile_mods = operands.tile_mods(operand_refs)
         mod = score_mod(cfg, u, bi=bi, hi=hi, groups=g, q_start=i * bq, k_start=kb * bk,
-                        indices=indices)
+                        indices=indices, tile=tile_mods)
         sc, t, slope = logits(cfg, u, q_ref[...].reshape(rows, d), k_ref[...], stat, term,
                               mod)
         mask = operands.mask(cfg, operand_refs, tables, bi, i * bq, kb * bk, (1, bq, bk),
                              positional)
         if applies_mask_mod(positional, listed):
             mask = and_masks(mask, apply_mask_mod(cfg, bi, hi, g, i * bq, kb * bk,
-                                                  (rows, bk), indices=indices))
+                                                  (rows, bk), indices=indices,
+                                                  tile=tile_mods))
         full_mask = None
         if mask is not None:
             full_mask = jnp.broadcast_to(mask, (g, bq, bk)).reshape(rows, bk)

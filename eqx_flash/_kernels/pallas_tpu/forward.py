@@ -209,15 +209,18 @@ def _tile(*, r0: int, n: int, keys, k_start, band: bool | Array, cfg: KernelConf
                                                   k_start, (n, chunk), g))
     indices = operands.global_indices(operand_refs, keys=keys,
                                       queries=None if whole_rows else rows)
+    tile_mods = operands.tile_mods(operand_refs, keys=keys,
+                                   queries=None if whole_rows else rows)
     mod = score_mod(cfg, u, bi=bi, hi=hi, groups=g, q_start=q_start, k_start=k_start,
-                    derivative=False, indices=indices)
+                    derivative=False, indices=indices, tile=tile_mods)
     s, _, _ = logits(cfg, u, q, k, stat, term, mod)  # (g * n, chunk)
     mask = operands.mask(cfg, operand_refs, tables, bi, q_start, k_start,
                          (1, n, chunk), band, keys=keys,
                          queries=None if whole_rows else rows)
     if with_mask_mod:
         mask = and_masks(mask, apply_mask_mod(cfg, bi, hi, g, q_start, k_start,
-                                              (g * n, chunk), indices=indices))
+                                              (g * n, chunk), indices=indices,
+                                              tile=tile_mods))
     if mask is not None:
         s = jnp.where(mask, s.reshape(g, n, chunk), -jnp.inf).reshape(g * n, chunk)
     m_prev = m_scr[:, rows, :].reshape(g * n, LANES)

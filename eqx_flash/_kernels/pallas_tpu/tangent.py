@@ -161,8 +161,9 @@ def _kernel(outer_ref, inner_ref, code_ref, *refs, cfg: KernelConfig,
             score_term = add_terms(score_term, operands.relative_term(
                 cfg, operand_refs, "relative", i * bq, k_start, (bq, chunk), g))
             indices = operands.global_indices(operand_refs, keys=keys)
+            tile_mods = operands.tile_mods(operand_refs, keys=keys)
             mod = score_mod(cfg, u, bi=bi, hi=hi, groups=g, q_start=i * bq, k_start=k_start,
-                            indices=indices)
+                            indices=indices, tile=tile_mods)
             sc, t, slope = logits(cfg, u, q, k, stat, score_term, mod)
             # dS in natural units: the queries carry `u.fold` of the scale.
             ds = None
@@ -186,7 +187,8 @@ def _kernel(outer_ref, inner_ref, code_ref, *refs, cfg: KernelConfig,
                                  (1, bq, chunk), positional, keys=keys)
             if applies_mask_mod(positional, listed):
                 mask = and_masks(mask, apply_mask_mod(cfg, bi, hi, g, i * bq, k_start,
-                                                      (rows, chunk), indices=indices))
+                                                      (rows, chunk), indices=indices,
+                                                      tile=tile_mods))
             if mask is not None:
                 full = jnp.broadcast_to(mask, (g, bq, chunk)).reshape(rows, chunk)
                 sc = jnp.where(full, sc, -jnp.inf)
