@@ -236,15 +236,6 @@ class _Clipped(eqx_flash.RelativeScoreMod):
         return 2.0 * self.table[jnp.clip(relative + 8, 0, 16), head]
 
 
-class _PerHeadTemperature(eqx.Module):
-    """Holds an array and is no `RelativeScoreMod`: the pure-JAX kernels run it."""
-
-    temperature: jax.Array
-
-    def __call__(self, score, b, h, i, j):
-        return score * self.temperature[h]
-
-
 RELATIVE = {
     "T5 buckets": dict(),
     "T5 buckets, causal softcap": dict(causal=True, softcap=3.0),
@@ -269,6 +260,13 @@ def test_relative_score_mods_against_reference(name):
         module = eqx.tree_at(lambda m: m.table, module, 10.0 * module.table)
     if "bias" in case:
         case["bias"] = jax.random.normal(jax.random.key(34), case["bias"])
+    _compare_module(q, k, v, module, case)
+
+
+def _compare_module(q, k, v, module, case):
+    """`flash_attention(..., score_mod=module)` with the Pallas kernels against
+    `plain_attention`: values, lse, the gradients of the module's arrays and of q, k,
+    v, and a jvp along q and the module (tangents `cos` of each)."""
     assert eqx_flash.kernel_family(q, k, v, score_mod=module, kernels="pallas_tpu",
                                    **case)[0] == "pallas_tpu"
     pallas = functools.partial(flash_attention, **case, **PALLAS, **BLOCKS)
@@ -287,11 +285,54 @@ def test_relative_score_mods_against_reference(name):
     want = jax.jit(functools.partial(run, reference))(module, q)
     assert_close(got[0], want[0], name="out")
     assert_lse_close(got[1], want[1], jnp.float32)
-    for label, a, b in zip(("d_table", "dq", "dk", "dv"), jax.tree.leaves(got[2]),
-                           jax.tree.leaves(want[2]), strict=True):
+    leaves = jax.tree.leaves(want[2])
+    labels = [f"d_module[{n}]" for n in range(len(leaves) - 3)] + ["dq", "dk", "dv"]
+    for label, a, b in zip(labels, jax.tree.leaves(got[2]), leaves, strict=True):
         assert_close(a, b, kind="grad", name=label)
     assert_close(got[3], want[3], kind="grad", name="jvp out")
     assert_close(got[4], want[4], kind="grad", name="jvp lse")
+
+
+class _Trained(eqx.Module):
+    """A score_mod with floating arrays read by one side's positions: a factor per head
+    on the scores, a bias per key (per batch element) and per query, and ALiBi written
+    by hand (slopes per head times the distance)."""
+
+    scale: jax.Array
+    key_bias: jax.Array
+    query_bias: jax.Array
+    slopes: jax.Array
+
+    def __call__(self, score, b, h, i, j):
+        distance = jnp.abs(i - j).astype(score.dtype)
+        return (score * self.scale[h] + self.key_bias[b, j] + self.query_bias[i]
+                - self.slopes[h] * distance)
+
+
+TRAINED = {
+    "full": dict(),
+    "causal softcap": dict(causal=True, softcap=5.0),
+    "beside a bias": dict(bias=(4, 1, 300), window=(60, 10)),
+}
+
+
+@pytest.mark.parametrize("name", list(TRAINED))
+def test_score_mods_with_floating_arrays_against_reference(name):
+    """A score_mod whose floating arrays are read by one side's positions runs split,
+    with their gradients: the dk/dv kernel sums each value's cotangent (the score_mod's
+    output cotangent times its partial in that value) per key over its key block, or
+    per query and step, and one `jax.vjp` of the values outside takes them to the
+    arrays; the jvp kernel takes the values' tangents. Against `plain_attention`
+    (GQA 4/2; 200 queries on 300 keys; beside a trained bias: the dq kernel too)."""
+    case = dict(TRAINED[name])
+    q, k, v = qkv(43, (2, 4, 200, 32), (2, 2, 300, 32))
+    keys = jax.random.split(jax.random.key(44), 4)
+    module = _Trained(1.0 + 0.3 * jax.random.normal(keys[0], (4,)),
+                      jax.random.normal(keys[1], (2, 300)),
+                      jax.random.normal(keys[2], (200,)), jnp.linspace(0.01, 0.1, 4))
+    if "bias" in case:
+        case["bias"] = jax.random.normal(keys[3], case["bias"])
+    _compare_module(q, k, v, module, case)
 
 
 def _documents(q_ids, kv_ids):
@@ -363,7 +404,6 @@ def test_which_mods_run_in_the_kernels():
     relative = eqx_flash.RelativePositionBias(2, key=jax.random.key(0))
     reasons = {
         "applies `gather` to the scores or to both positions": dict(score_mod=looked_up),
-        "floating arrays": dict(score_mod=_PerHeadTemperature(jnp.ones(2))),
         "read through `cumsum` of positions": dict(mask_mod=running_ids),
         "block_mask built at blocks (24, 40)": dict(
             mask_mod=sliding_prefix, block_mask=eqx_flash.make_block_mask(

@@ -235,3 +235,29 @@ def test_mods_reading_arrays_by_position_lower_to_mosaic_kernels(blocks):
         for fn, kernels in ((grad, 2), (jvp, 1)):
             exported = jax.export.export(jax.jit(fn), platforms=("tpu",))(q, kv, kv, *ids)
             assert exported.mlir_module().count("tpu_custom_call") == kernels, fn.__name__
+
+
+def test_score_mods_with_floating_arrays_lower_to_mosaic_kernels():
+    """A score_mod reading floating arrays by one side's positions (a factor per head, a
+    bias per key): their gradient exports to exactly two Mosaic kernels (the fused
+    backward writes the values' cotangents), a jvp along them to one."""
+    q = jax.ShapeDtypeStruct((2, 4, 160, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 2, 300, 64), jnp.bfloat16)
+    arrays = (jax.ShapeDtypeStruct((4,), jnp.float32), jax.ShapeDtypeStruct((300,), jnp.float32))
+
+    def flash(q, k, v, scale, key_bias):
+        def scaled(score, b, h, i, j):
+            return score * scale[h] + key_bias[j]
+
+        return flash_attention(q, k, v, score_mod=scaled, causal=True, **PALLAS)
+
+    def grad(q, k, v, *arrays):
+        return jax.grad(lambda *a: _loss(lambda q, k, v: flash(q, k, v, *a[3:]), *a[:3]),
+                        argnums=(0, 1, 2, 3, 4))(q, k, v, *arrays)
+
+    def jvp(q, k, v, *arrays):
+        return jax.jvp(lambda q, *a: flash(q, k, v, *a)[0], (q, *arrays), (q, *arrays))
+
+    for fn, kernels in ((grad, 2), (jvp, 1)):
+        exported = jax.export.export(jax.jit(fn), platforms=("tpu",))(q, kv, kv, *arrays)
+        assert exported.mlir_module().count("tpu_custom_call") == kernels, fn.__name__

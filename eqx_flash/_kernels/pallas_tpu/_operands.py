@@ -41,7 +41,14 @@ from ..._semantics.dropout import flat_head_index, head_seed, keep_for_head
 from ..._semantics.masking import length_mask, positional_mask, within_window
 from ..._semantics.score_terms import alibi_distance
 from . import _relative
-from ._split_mods import Split, analyse, side_values
+from ._split_mods import (
+    Split,
+    analyse,
+    boundary_values,
+    floating,
+    side_operands,
+    tangent_operands,
+)
 from ._tile import and_masks, fold_heads
 from ._tile_mods import ELEMENTWISE, TileMods
 
@@ -110,6 +117,7 @@ class BlockOperands:
     # The `score_mod` and `mask_mod` that read arrays, split (`_split_mods`): their
     # boundary values are sides named after them (None: the mod reads none, or is absent).
     splits: tuple[Split | None, Split | None] = (None, None)
+    mod_tangents: bool = False  # the tangents of a split score_mod's floating values
 
     def block_specs(self, block_q: int, block_k: int, at: Callable[..., Any]
                     ) -> list[pl.BlockSpec]:
@@ -242,7 +250,7 @@ class BlockOperands:
             return lambda name: self._value(sides[name], by_name[name], group, keys,
                                             queries)
 
-        return TileMods(*self.splits, read)
+        return TileMods(*self.splits, read, self.mod_tangents)
 
     def global_indices(self, refs: Sequence[Any], group: int | None = None, keys: Any = None,
                        queries: Any = None) -> tuple[Array, Array] | None:
@@ -505,12 +513,16 @@ def prepare(cfg: KernelConfig, ops: Operands, heads: tuple[int, ...], v: Array |
         ("bias_tangent", None if d_ops is None else d_ops.bias)) if x is not None]
     vectors = _relative.vectors(cfg, ops, heads, transposed, d_ops)
     splits = _split(cfg, ops, heads)
+    tangents = False
     for split in splits:
-        if split is not None:
-            for name, x, query in side_values(split, _mod_arrays(split.name, ops), heads,
-                                               cfg.padded_seq, (cfg.block_q, cfg.block_k),
-                                               stat_dtype(cfg.compute_dtype)):
-                add(name, x, query)
+        if split is None:
+            continue
+        values, d_values = _boundary(cfg, split, ops, heads, d_ops)
+        for name, x, query in side_operands(split, values):
+            add(name, x, query)
+        for name, x, query in tangent_operands(split, d_values):
+            add(name, x, query)
+            tangents = True
     masks_data = (bool(parts) or ops.has_lengths or ops.pair_mask is not None
                   or _has_mask_mod(cfg))
     if v is not None:
@@ -532,7 +544,55 @@ def prepare(cfg: KernelConfig, ops: Operands, heads: tuple[int, ...], v: Array |
         alibi_one_sided=(alibi == "indices" and cfg.band_window.right is not None
                          and cfg.band_window.right <= 0 and cfg.score_offset == cfg.offset),
         pairs=tuple(pair for pair, _ in pairs), bias_units=term_units,
-        vectors=tuple(vectors), splits=splits)
+        vectors=tuple(vectors), splits=splits, mod_tangents=tangents)
+
+
+def _boundary(cfg: KernelConfig, split: Split, ops: Operands, heads: tuple[int, ...],
+              d_ops: Operands | None) -> tuple[list[Array], dict[int, Array]]:
+    """A split mod's boundary values and, with the tangents of a score_mod's arrays in
+    `d_ops`, those of its floating ones (by index)."""
+    def values(arrays: Any) -> list[Array]:
+        return boundary_values(split, arrays, heads, cfg.padded_seq,
+                               (cfg.block_q, cfg.block_k), stat_dtype(cfg.compute_dtype))
+
+    if split.name != "score_mod" or d_ops is None or d_ops.score_mod_arrays is None:
+        return values(_mod_arrays(split.name, ops)), {}
+    wanted = floating(split)
+
+    def chosen(arrays: Any) -> list[Array]:
+        found = values(eqx.combine(arrays, ops.score_mod_consts))
+        return [found[n] for n in wanted]
+
+    primal = values(_mod_arrays(split.name, ops))
+    _, tangents = jax.jvp(chosen, (ops.score_mod_arrays,), (d_ops.score_mod_arrays,))
+    return primal, dict(zip(wanted, tangents, strict=True))
+
+
+def mod_cotangent(cfg: KernelConfig, split: Split, ops: Operands, heads: tuple[int, ...],
+                  wanted: Any, cotangents: dict[int, Array]) -> Any:
+    """The cotangent of a split score_mod's arrays marked in `wanted` (None elsewhere)
+    from those of its floating boundary values (by index, in `boundary_values`'
+    layout, float32, over every group)."""
+    free, frozen = eqx.partition(ops.score_mod_arrays, wanted)
+    order = sorted(cotangents)
+
+    def chosen(free: Any) -> list[Array]:
+        found = boundary_values(split, eqx.combine(free, frozen, ops.score_mod_consts),
+                                heads, cfg.padded_seq, (cfg.block_q, cfg.block_k),
+                                stat_dtype(cfg.compute_dtype))
+        return [found[n] for n in order]
+
+    primal, vjp = jax.vjp(chosen, free)
+    cots = [_summed_like(cotangents[n], p).astype(p.dtype) for n, p in zip(order, primal,
+                                                                          strict=True)]
+    return vjp(cots)[0]
+
+
+def _summed_like(x: Array, like: Array) -> Array:
+    """`x` summed over the axes `like` has 1 where `x` does not."""
+    axes = tuple(a for a, (m, n) in enumerate(zip(x.shape, like.shape, strict=True))
+                 if n == 1 and m != 1)
+    return jnp.sum(x, axis=axes, keepdims=True) if axes else x
 
 
 def _mod_arrays(name: str, ops: Operands) -> Any:

@@ -9,14 +9,16 @@ so be one Mosaic lowers (`_tile_mods`' elementwise set); an equation that depend
 one side (or neither) runs in the kernel where it can (lowerable, its inputs there),
 else outside (a table lookup, a gather over an array). The values crossing from outside
 into the kernel are the split's `Boundary`s: per query (`"q"`), per key (`"k"`) or per
-batch element and head (`"bh"`). `side_values` evaluates them over every position (the
-outside equations, vmapped over batch, kv heads and blocks), and `evaluate` runs the
-kernel's equations on a tile, the function traced again at the tile's shapes.
+batch element and head (`"bh"`). `boundary_values` evaluates them over every position
+(the outside equations, vmapped over batch, kv heads and blocks; differentiable in the
+arrays, so a score_mod's floating arrays get their gradients from the values'
+cotangents, which the backward kernel sums), `side_operands` lays them out as the
+kernels' operands, and `evaluate` runs the kernel's equations of the same jaxpr on a
+tile, shape-generic (`_generic`).
 
 Only what positions determine is split: a value that mixes positions (a reduction or
 a cumulative sum over queries, a gather from an array indexed by them) is not one value
-per position, and such a function stays on the pure-JAX kernels. A score_mod's floating
-arrays stay there too: their gradients would need the boundary values' cotangents.
+per position, and such a function stays on the pure-JAX kernels.
 """
 
 import dataclasses
@@ -261,13 +263,13 @@ def _from_int32(x: Array, dtype: Any) -> Array:
     return x.astype(dtype)
 
 
-def side_values(split: Split, arrays: Any, heads: tuple[int, ...],
-                padded_seq: tuple[int, int], blocks: tuple[int, int], dtype: Any
-                ) -> list[tuple[str, Array, bool]]:
-    """Every boundary value over every position: `(name, array, query)`, the array in
-    the GRID layout of a per-query `(b, h, g|1, seq_q, 1)` or per-key `(b, h, g|1, 1,
-    seq_k)` operand, int32 (a "bh" value as a per-query one). `blocks`: those `split`
-    was analysed at."""
+def boundary_values(split: Split, arrays: Any, heads: tuple[int, ...],
+                    padded_seq: tuple[int, int], blocks: tuple[int, int], dtype: Any
+                    ) -> list[Array]:
+    """Every boundary value over every position, in its own dtype (differentiable in
+    the arrays), in the GRID layout of a per-query `(b, h, g|1, seq_q, 1)` or per-key
+    `(b, h, g|1, 1, seq_k)` operand (a "bh" value as a per-query one). `blocks`: those
+    `split` was analysed at."""
     b, h, g = heads
     (seq_q, seq_k), (bq, bk) = padded_seq, blocks
     closed, boundary = split.closed, split.points
@@ -288,35 +290,50 @@ def side_values(split: Split, arrays: Any, heads: tuple[int, ...],
                 _run(eqn, env)
         return [env[v] for v in boundary]
 
-    def over(nq: int, nk: int) -> list[Array]:
+    def over(blocks: int) -> list[Array]:
         fn = jax.vmap(jax.vmap(jax.vmap(outside, (None, None, 0, 0)), (None, 0, None, None)),
                       (0, None, None, None))
-        q0 = jnp.arange(nq, dtype=jnp.int32) * bq
-        k0 = jnp.arange(nk, dtype=jnp.int32) * bk
-        return fn(jnp.arange(b, dtype=jnp.int32), jnp.arange(h, dtype=jnp.int32), q0, k0)
+        n = jnp.arange(blocks, dtype=jnp.int32)
+        return fn(jnp.arange(b, dtype=jnp.int32), jnp.arange(h, dtype=jnp.int32), n * bq,
+                  n * bk)
 
-    by_query = over(seq_q // bq, seq_q // bq) if any(
-        x.side != "k" for x in split.boundary) else None
-    by_key = over(seq_k // bk, seq_k // bk) if any(
-        x.side == "k" for x in split.boundary) else None
+    by_query = over(seq_q // bq) if any(x.side != "k" for x in split.boundary) else None
+    by_key = over(seq_k // bk) if any(x.side == "k" for x in split.boundary) else None
     found = []
     for n, (x, point) in enumerate(zip(split.boundary, boundary, strict=True)):
         if x.side == "k":
             assert by_key is not None
             v = jnp.broadcast_to(by_key[n], (b, h, seq_k // bk, *point.aval.shape))
-            gg = v.shape[3]
-            v = jnp.moveaxis(v, 2, 3).reshape(b, h, gg, 1, seq_k)
-            found.append((split.side_name(n), _as_int32(_shared(v, x)), False))
+            found.append(jnp.moveaxis(v, 2, 3).reshape(b, h, v.shape[3], 1, seq_k))
             continue
         assert by_query is not None
         v = jnp.broadcast_to(by_query[n], (b, h, seq_q // bq, *point.aval.shape))
         if x.side == "bh":
-            v = _bh_over_queries(v, b, h, seq_q)
+            found.append(_bh_over_queries(v, b, h, seq_q))
         else:
-            gg = v.shape[3]
-            v = jnp.moveaxis(v, 2, 3).reshape(b, h, gg, seq_q, 1)
-        found.append((split.side_name(n), _as_int32(_shared(v, x)), True))
+            found.append(jnp.moveaxis(v, 2, 3).reshape(b, h, v.shape[3], seq_q, 1))
     return found
+
+
+def side_operands(split: Split, values: list[Array], suffix: str = ""
+                  ) -> list[tuple[str, Array, bool]]:
+    """`boundary_values` (or their tangents, `suffix="_tangent"`) as the kernels' side
+    operands: `(name, int32 array, per query)`, kept once along the axes a value does
+    not vary over."""
+    return [(split.side_name(n) + suffix, _as_int32(_shared(v, x)), x.side != "k")
+            for n, (x, v) in enumerate(zip(split.boundary, values, strict=True))]
+
+
+def tangent_operands(split: Split, tangents: dict[int, Array]
+                     ) -> list[tuple[str, Array, bool]]:
+    """The tangents of floating boundary values (by index) as side operands."""
+    return [(split.side_name(n) + "_tangent", _as_int32(_shared(v, split.boundary[n])),
+             split.boundary[n].side != "k") for n, v in sorted(tangents.items())]
+
+
+def floating(split: Split) -> list[int]:
+    """The boundary values that carry gradients (the floating ones)."""
+    return [n for n, x in enumerate(split.boundary) if jnp.issubdtype(x.dtype, jnp.floating)]
 
 
 def _shared(v: Array, x: Boundary) -> Array:
@@ -337,24 +354,35 @@ def _bh_over_queries(v: Array, b: int, h: int, seq_q: int) -> Array:
     return jnp.broadcast_to(per_head[..., None, None], (*per_head.shape, seq_q, 1))
 
 
-def evaluate(split: Split, args: tuple[Array, ...], read: Callable[[str], Array]
-             ) -> Array:
-    """The function on a tile: `args` its arguments there, 2-D and broadcasting (scores,
-    batch, head, query and key indices, queries along either axis), `read(name)` a
-    boundary operand's value on the tile (a row or a column, as the indices). The
-    kernel's equations of the block's jaxpr run on them, shape-generic (`_generic`):
-    every value of the tile gets a leading axis of 1 for the block's groups, and
-    broadcasts stand for the block's explicit ones."""
-    jaxpr = split.closed.jaxpr
-    env: dict[Any, Any] = {v: x[None] for v, x in zip(jaxpr.invars, args, strict=False)}
+def read_values(split: Split, read: Callable[[str], Array], suffix: str = "",
+                which: list[int] | None = None) -> list[Array]:
+    """The boundary values on a tile (`read(name)`: an operand's row or column there),
+    each with a leading axis of 1 for the block's groups (one element for a "bh" one),
+    in its own dtype; `which`: those at these indices only; `suffix="_tangent"`: their
+    tangents (floating ones only)."""
+    values = []
     for n, (point, x) in enumerate(zip(split.points, split.boundary, strict=True)):
-        value = _from_int32(read(split.side_name(n)), x.dtype)
+        if which is not None and n not in which:
+            continue
+        value = _from_int32(read(split.side_name(n) + suffix), x.dtype)
         rank = len(point.aval.shape)
         if x.side == "bh":  # the same over the tile: one element
             value = value.reshape(-1)[:1].reshape((1,) * rank)
         else:
             value = value[None]
-        env[point] = value.astype(point.aval.dtype)
+        values.append(value.astype(point.aval.dtype))
+    return values
+
+
+def evaluate(split: Split, args: tuple[Array, ...], values: list[Array]) -> Array:
+    """The function on a tile: `args` its arguments there, 2-D and broadcasting (scores,
+    batch, head, query and key indices, queries along either axis), `values` its
+    boundary values there (`read_values`). The kernel's equations of the block's jaxpr
+    run on them, shape-generic (`_generic`): every value of the tile gets a leading axis
+    of 1 for the block's groups, and broadcasts stand for the block's explicit ones."""
+    jaxpr = split.closed.jaxpr
+    env: dict[Any, Any] = {v: x[None] for v, x in zip(jaxpr.invars, args, strict=False)}
+    env.update(zip(split.points, values, strict=True))
     for eqn, run in zip(jaxpr.eqns, split.in_kernel, strict=True):
         if run:
             _generic(eqn, env)

@@ -12,7 +12,7 @@ logit); low-precision ones are scaled in the kernel, on the float32 logits, unle
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -129,15 +129,16 @@ def dot(a: Array, b: Array, dims, stat) -> Array:
 
 
 # A `score_mod` on a tile of logits (in the kernel's units before the cap): its value
-# and, where asked for, its derivative (`_tile_mods.apply_score_mod`).
-ScoreMod = Callable[[Array], tuple[Array, Array | None]]
+# and, where asked for, its derivative (`_tile_mods.apply_score_mod`: an array, or its
+# `ModDerivatives` for a split one's values).
+ScoreMod = Callable[[Array], tuple[Array, Any]]
 
 
 def logits(cfg: KernelConfig, u: Units, a: Array, b: Array, stat, term: Array | None = None,
-           mod: ScoreMod | None = None) -> tuple[Array, Array | None, Array | None]:
+           mod: ScoreMod | None = None) -> tuple[Array, Array | None, Any]:
     """`a @ b^T` in the kernel's units plus a score `term` (in `u.before_cap` units),
     through a `score_mod`, soft-capped; the cap's tanh (None without) and the score_mod's
-    derivative (None without, or not asked for)."""
+    derivative (None without, or not asked for; as the score_mod gives it)."""
     s = dot(a, b, NT, stat)
     if u.in_kernel != 1.0:
         s = s * jnp.asarray(u.in_kernel, stat)

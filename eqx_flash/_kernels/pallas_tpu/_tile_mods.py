@@ -13,11 +13,11 @@ selects, casts, broadcasts, transcendental functions). A function using nothing 
 and reading no arrays is called as it is. One that reads arrays (its PyTree leaves,
 closed-over arrays) or applies another primitive by one side's positions only
 (`ids[b, q_idx]`, `scales[h]`) runs split (`_split_mods`): those values are computed
-outside the kernels, per position, and read per tile (`TileMods`). What is left runs on
-the pure-JAX kernels, which the family's `covers` says: a lookup by both positions (a
-`gather` per pair), a score_mod's floating arrays (their gradients), except a
-`RelativeScoreMod`, whose bias, a function of the offset alone, becomes a term the
-kernels build (`_relative`).
+outside the kernels, per position, and read per tile (`TileMods`); a score_mod's
+derivatives in those values (`ModDerivatives`) give its floating arrays' gradients and
+tangents. What is left runs on the pure-JAX kernels, which the family's `covers` says: a
+lookup by both positions (a `gather` per pair), except a `RelativeScoreMod`, whose bias,
+a function of the offset alone, becomes a term the kernels build (`_relative`).
 
 A `score_mod` acts on the natural logits (after the scale and any bias, before the soft
 cap) as in every family: the kernels' logits in base-2 units are converted around it.
@@ -39,7 +39,7 @@ from ..._core.config import KernelConfig
 from ..._mods.position_bias import RelativeScoreMod
 from ..._mods.tracing import ModFn, block_probe, split_mod
 from ._relative import module_type as is_relative
-from ._split_mods import Split, analyse, evaluate
+from ._split_mods import Split, analyse, evaluate, floating, read_values
 from ._tile import ScoreMod, Units, fold_heads
 
 # Primitives every Mosaic lowering of this jax has a rule for, elementwise ones only.
@@ -64,10 +64,6 @@ def uncovered(name: str, mod: Callable[..., Any] | None, groups: int, dtype: Any
         fn, _, arrays = split_mod(name, mod, probe if name == "score_mod" else probe[1:])
     except Exception:  # noqa: BLE001 - the families' own checks say what is wrong
         return f"a {name} that does not trace on a block"
-    if name == "score_mod" and any(jnp.issubdtype(jnp.result_type(x), jnp.inexact)
-                                   for x in jax.tree.leaves(arrays)):
-        return ("a score_mod holding or closing over floating arrays (their gradients in "
-                "the kernels)")
     split = analyse(name, fn, arrays, groups, 8, 128, dtype, ELEMENTWISE)
     if isinstance(split, str):
         return split
@@ -107,19 +103,32 @@ class TileMods(NamedTuple):
     score: Split | None
     mask: Split | None
     read: Callable[[int], Callable[[str], Array]]
+    tangents: bool = False  # the score_mod's floating values' tangents are operands too
+
+
+class ModDerivatives(NamedTuple):
+    """A split score_mod's derivatives on a tile beyond the one in the scores: in its
+    floating boundary values (`partials`, per `_split_mods.floating` index, natural
+    units; for their cotangents) or along their tangents (`tangent`, natural)."""
+
+    slope: Array
+    partials: dict[int, Array]
+    tangent: Array | None
 
 
 def _function(fn: ModFn, split: Split | None, tile: TileMods | None, head: int
-              ) -> Callable[..., Any]:
-    """The function to call on query head `head`'s part of a tile: the user's own where
-    it reads no arrays (the static half of its split is the whole of it), else its
-    kernel half with the boundary values read from the tile's operands."""
+              ) -> tuple[Callable[..., Any], list[Array]]:
+    """The function to call on query head `head`'s part of a tile, and the boundary
+    values it takes after its arguments: the user's own where it reads no arrays (the
+    static half of its split is the whole of it), else its kernel half with the
+    boundary values read from the tile's operands."""
     if split is None:
         assert not fn.traced
-        return fn.static.value
+        return fn.static.value, []
     assert tile is not None
-    read = tile.read(head)
-    return lambda *args: evaluate(split, args, read)
+    values = read_values(split, tile.read(head))
+    count = len(split.roles)
+    return lambda *args: evaluate(split, args[:count], list(args[count:])), values
 
 
 def _indices(bi: Array, head: Array | int, q_start: Array | int, k_start: Array | int,
@@ -148,41 +157,86 @@ def _heads(groups: int, group: int | None) -> list[int]:
 
 def apply_score_mod(cfg: KernelConfig, units: float, s: Array, *, bi: Array, hi: Array,
                     groups: int, q_start: Array | int, k_start: Array | int,
-                    group: int | None = None, derivative: bool = False,
+                    group: int | None = None, derivative: bool | str = False,
                     indices: tuple[Array, Array] | None = None,
-                    tile: TileMods | None = None) -> tuple[Array, Array | None]:
+                    tile: TileMods | None = None) -> tuple[Array, Any]:
     """The `score_mod` on the tile `s` of logits in `units` (natural logits times
     `units`): its value in the same units, and (with `derivative`) its derivative in the
     logits, elementwise. `s` is `(g * n, cols)` with the query heads folded into its rows,
-    or, for one query head `group`, `(keys, queries)` (transposed)."""
+    or, for one query head `group`, `(keys, queries)` (transposed). For a split one with
+    floating values, `derivative="partials"` (one query head: the dk/dv kernel) or
+    `"tangent"` gives `ModDerivatives` instead of the derivative alone."""
     mods = cfg.mods
     if mods is None or mods.score is None:
         return s, None
     transposed = group is not None
+    split = None if tile is None else tile.score
+    wanted = [] if split is None else floating(split)
 
-    def on_head(x: Array, h: int) -> tuple[Array, Array | None]:
-        assert mods.score is not None
-        score_mod = _function(mods.score, None if tile is None else tile.score, tile, h)
+    def on_head(x: Array, h: int) -> tuple[Array, Any]:
+        assert mods.score is not None and (tile is not None or split is None)
+        score_mod, values = _function(mods.score, split, tile, h)
         idx = _indices(bi, hi * groups + h, q_start, k_start, x.shape, transposed, indices)
 
-        def natural(x: Array) -> Array:
+        def natural(x: Array, *values: Array) -> Array:
             if units == 1.0:
-                return score_mod(x, *idx)
-            out = score_mod(x * jnp.asarray(1.0 / units, x.dtype), *idx)
+                return score_mod(x, *idx, *values)
+            out = score_mod(x * jnp.asarray(1.0 / units, x.dtype), *idx, *values)
             return out * jnp.asarray(units, x.dtype)
 
         if not derivative:
-            return natural(x), None
-        return jax.jvp(natural, (x,), (jnp.ones_like(x),))
+            return natural(x, *values), None
+
+        def along(tangents: dict[int, Array]) -> tuple[Array, Array]:
+            """`natural` and its derivative along `x`'s ones and these values' tangents."""
+            return jax.jvp(lambda x, *chosen: natural(x, *_with(values, wanted, chosen)),
+                           (x, *(values[n] for n in wanted)),
+                           (jnp.ones_like(x), *(tangents[n] for n in wanted)))
+
+        out, slope = jax.jvp(lambda x: natural(x, *values), (x,), (jnp.ones_like(x),))
+        if derivative is True or not wanted:
+            return out, slope
+        scale = jnp.asarray(1.0 / units, x.dtype)
+        if derivative == "partials":
+            partials = {}
+            for n in wanted:
+                one = {m: jnp.ones_like(values[m]) if m == n else jnp.zeros_like(values[m])
+                       for m in wanted}
+                zero_x = jax.jvp(lambda *chosen: natural(x, *_with(values, wanted, chosen)),
+                                 tuple(values[m] for m in wanted),
+                                 tuple(one[m] for m in wanted))[1]
+                partials[n] = zero_x * scale
+            return out, ModDerivatives(slope, partials, None)
+        assert tile is not None and split is not None and derivative == "tangent"
+        if not tile.tangents:
+            return out, ModDerivatives(slope, {}, None)
+        d_values = read_values(split, tile.read(h), "_tangent", wanted)
+        _, both = along(dict(zip(wanted, d_values, strict=True)))
+        return out, ModDerivatives(slope, {}, (both - slope) * scale)
 
     heads = _heads(groups, group)
     n = s.shape[0] // len(heads)
     parts = [on_head(s[i * n:(i + 1) * n] if len(heads) > 1 else s, h)
              for i, h in enumerate(heads)]
     out = fold_heads([p[0] for p in parts])
-    slopes = [p[1] for p in parts if p[1] is not None]
-    slope = fold_heads(slopes) if slopes else None
-    return out, slope
+    found = [p[1] for p in parts if p[1] is not None]
+    if not found:
+        return out, None
+    if not isinstance(found[0], ModDerivatives):
+        return out, fold_heads(found)
+    tangents = [d.tangent for d in found if d.tangent is not None]
+    return out, ModDerivatives(fold_heads([d.slope for d in found]), found[0].partials
+                               if len(found) == 1 else {},
+                               fold_heads(tangents) if tangents else None)
+
+
+def _with(values: list[Array], chosen_at: list[int], chosen: tuple[Array, ...]
+          ) -> list[Array]:
+    """`values` with those at `chosen_at` replaced by `chosen`."""
+    found = list(values)
+    for n, value in zip(chosen_at, chosen, strict=True):
+        found[n] = value
+    return found
 
 
 def apply_mask_mod(cfg: KernelConfig, bi: Array, hi: Array, groups: int,
@@ -200,10 +254,10 @@ def apply_mask_mod(cfg: KernelConfig, bi: Array, hi: Array, groups: int,
 
     def on_head(h: int) -> Array:
         assert mods.mask is not None
-        mask_mod = _function(mods.mask, None if tile is None else tile.mask, tile, h)
+        mask_mod, values = _function(mods.mask, None if tile is None else tile.mask, tile, h)
         idx = _indices(bi, hi * groups + h, q_start, k_start, (rows, shape[1]), transposed,
                        indices)
-        return jnp.broadcast_to(mask_mod(*idx), (rows, shape[1]))
+        return jnp.broadcast_to(mask_mod(*idx, *values), (rows, shape[1]))
 
     parts = [on_head(h) for h in _heads(groups, group)]
     if transposed:
@@ -216,7 +270,7 @@ def apply_mask_mod(cfg: KernelConfig, bi: Array, hi: Array, groups: int,
 
 def score_mod(cfg: KernelConfig, u: Units, *, bi: Array, hi: Array, groups: int,
               q_start: Array | int, k_start: Array | int, group: int | None = None,
-              derivative: bool = True, indices: tuple[Array, Array] | None = None,
+              derivative: bool | str = True, indices: tuple[Array, Array] | None = None,
               tile: TileMods | None = None) -> ScoreMod | None:
     """The `score_mod` of one tile as `_tile.logits` takes it, with its derivative where
     asked (the backward and the tangent kernels); None without a score_mod."""

@@ -31,9 +31,17 @@ from ..._core.config import KernelConfig, stat_dtype
 from ..._core.operands import Operands, differentiable_part, reduce_to
 from . import _relative
 from ._call import by_flag, planned_call, read_step, split_refs
-from ._operands import SUBLANES, BlockOperands, lane_blocks, masks_some_pairs, prepare
+from ._operands import (
+    SUBLANES,
+    BlockOperands,
+    lane_blocks,
+    masks_some_pairs,
+    mod_cotangent,
+    prepare,
+)
 from ._plan import Layout, Plan, applies_mask_mod, backward_plan, forward_plan
 from ._platform import on_tpu_or_interpreted
+from ._split_mods import Split, floating
 from ._tile import (
     DEFAULT_TUNING,
     LANES,
@@ -51,7 +59,7 @@ from ._tile import (
     units,
 )
 from ._tile import prepared_queries as _prepared_queries
-from ._tile_mods import apply_mask_mod, score_mod
+from ._tile_mods import ModDerivatives, apply_mask_mod, score_mod
 
 # VMEM a fused backward may spend on the whole head's dq (its float32 accumulator and
 # the double-buffered output block); past it, the dq kernel runs instead.
@@ -82,9 +90,14 @@ def backward(cfg: KernelConfig, q: Array, k: Array, v: Array, ops: Operands, lse
     slopes = ops.alibi_slopes is not None and wanted.alibi_slopes is not None
     relative = "relative" in dkv_ops.vectors and any(
         jax.tree.leaves(wanted.score_mod_arrays))
+    # A split score_mod's floating values whose cotangents reach its arrays.
+    split = dkv_ops.splits[0]
+    mod_values = tuple(floating(split)) if split is not None and any(
+        jax.tree.leaves(wanted.score_mod_arrays)) else ()
     call = functools.partial(_dkv_call, cfg, bwd_plan, dkv_ops, u, tuning.backward_chunk(cfg),
-                             fused, slopes, relative)
+                             fused, slopes, relative, mod_values)
     results = list(on_tpu_or_interpreted(call, q_in, k, v, d_out, lse_u, delta))
+    d_mod_values = [results.pop() for _ in mod_values][::-1]
     d_windows = results.pop() if relative else None
     d_slopes = results.pop() if slopes else None
     d_bias = None
@@ -98,6 +111,11 @@ def backward(cfg: KernelConfig, q: Array, k: Array, v: Array, ops: Operands, lse
             functools.partial(_dq_call, cfg, fwd_plan, dq_ops, u, d_bias_wanted),
             q_in, k, v, d_out, lse_u, delta)
     d_ops = jax.tree.map(lambda _: None, differentiable_part(ops))
+    if mod_values:
+        assert split is not None
+        cotangents = _value_cotangents(cfg, split, mod_values, d_mod_values, bwd_plan)
+        d_ops = dataclasses.replace(d_ops, score_mod_arrays=mod_cotangent(
+            cfg, split, ops, q.shape[:3], wanted.score_mod_arrays, cotangents))
     if d_windows is not None:
         # Each step's window of the transposed vector starts where its tile's does.
         outer, inner = (jnp.asarray(x) for x in (bwd_plan.outer, bwd_plan.inner))
@@ -125,6 +143,35 @@ def backward(cfg: KernelConfig, q: Array, k: Array, v: Array, ops: Operands, lse
     return d_q, d_k, d_v, d_ops
 
 
+def _value_cotangents(cfg: KernelConfig, split: Split, which: tuple[int, ...],
+                      found: list[Array], plan: Plan) -> dict[int, Array]:
+    """The cotangents of a split score_mod's floating values `which`, in
+    `boundary_values`' layout over every group, from the dk/dv kernel's outputs: per
+    key block `(b, h, nk, g, bk, lanes)` for a per-key value, else per step `(b, h,
+    steps, g, 1, bq)`, added up by the step's query block (or in all, for one per
+    batch element and head)."""
+    (seq_q, seq_k), bq = cfg.padded_seq, cfg.block_q
+    cotangents = {}
+    for n, x in zip(which, found, strict=True):
+        side = split.boundary[n].side
+        b, h, _, g = x.shape[:4]
+        if side == "k":
+            cotangents[n] = jnp.moveaxis(x[..., 0], 2, 3).reshape(b, h, g, 1, seq_k)
+            continue
+        rows = x[:, :, :, :, 0, :]  # (b, h, steps, g, bq)
+        if side == "bh":
+            total = rows.sum(axis=(2, 4))  # (b, h, g)
+            cotangents[n] = jnp.zeros((b, h, g, seq_q, 1), x.dtype).at[:, :, :, 0, 0].set(
+                total)
+            continue
+        inner = jnp.broadcast_to(jnp.asarray(plan.inner), rows.shape[:3])
+        per_block = jnp.zeros((b, h, seq_q // bq, g, bq), x.dtype)
+        bi, hi = jnp.arange(b)[:, None, None], jnp.arange(h)[None, :, None]
+        per_block = per_block.at[bi, hi, inner].add(rows)
+        cotangents[n] = jnp.moveaxis(per_block, 3, 2).reshape(b, h, g, seq_q, 1)
+    return cotangents
+
+
 def _ds(p, dp, delta, t, slope, mask):
     """The logits' cotangent: softmax backward, through the cap and the score_mod (its
     derivative `slope`), zero at masked pairs."""
@@ -148,8 +195,8 @@ def _summed_to(x: Array, shape: tuple[int, ...]) -> Array:
 
 
 def _dkv_call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units,
-              chunk: int, fused: bool, slopes: bool, relative: bool, q, k, v, d_out, lse,
-              delta, *, interpret: bool):
+              chunk: int, fused: bool, slopes: bool, relative: bool,
+              mod_values: tuple[int, ...], q, k, v, d_out, lse, delta, *, interpret: bool):
     b, h, g, seq_q, d = q.shape
     dv = v.shape[-1]
     bq, bk = cfg.block_q, cfg.block_k
@@ -199,9 +246,23 @@ def _dkv_call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units,
                                       lambda bi, hi, t, *tables: (bi, hi, t, 0, 0, 0)))
         outputs.append(((b, h, plan.layout.steps, g, 1, bk + bq), jnp.float32))
         blocks += 2 * 4 * g * SUBLANES * (bk + bq)
+    split = operands.splits[0]
+    for n in mod_values:  # a split score_mod's value cotangents (`_value_cotangents`)
+        assert split is not None
+        if split.boundary[n].side == "k":  # per key, over the steps of its block
+            out_specs.append(pl.BlockSpec((None, None, None, g, bk, LANES),
+                                          lambda bi, hi, t, outer, *tables: (
+                                              bi, hi, outer[at(bi, hi, t)], 0, 0, 0)))
+            outputs.append(((b, h, num_k, g, bk, LANES), jnp.float32))
+            blocks += 2 * 4 * g * bk * LANES
+        else:  # per query (or summed), each step its own row
+            out_specs.append(pl.BlockSpec((None, None, None, g, 1, bq),
+                                          lambda bi, hi, t, *tables: (bi, hi, t, 0, 0, 0)))
+            outputs.append(((b, h, plan.layout.steps, g, 1, bq), jnp.float32))
+            blocks += 2 * 4 * g * SUBLANES * bq
     kernel = functools.partial(_dkv_kernel, cfg=cfg, operands=operands, u=u, chunk=chunk,
                                layout=plan.layout, listed=plan.listed, fused=fused,
-                               slopes=slopes, relative=relative)
+                               slopes=slopes, relative=relative, mod_values=mod_values)
     return planned_call(
         kernel, plan=plan, operands=operands, blocks=(bq, bk), heads=(b, h),
         in_specs=in_specs,
@@ -212,11 +273,13 @@ def _dkv_call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units,
 
 def _dkv_kernel(outer_ref, inner_ref, code_ref, *refs, cfg: KernelConfig,
                 operands: BlockOperands, u: Units, chunk: int, layout: Layout, listed: bool,
-                fused: bool, slopes: bool, relative: bool):
+                fused: bool, slopes: bool, relative: bool, mod_values: tuple[int, ...]):
     tables, (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), operand_refs, rest = split_refs(
         refs, operands, 6)
     scratch = 3 if fused else 2  # the outputs come first, the optional ones last
     outputs, rest = list(rest[:-scratch]), rest[-scratch:]
+    d_value_refs = dict(zip(mod_values, [outputs.pop() for _ in mod_values][::-1],
+                            strict=True))
     d_window_ref = outputs.pop() if relative else None
     ds_distance_ref = outputs.pop() if slopes else None
     if fused:
@@ -238,6 +301,11 @@ def _dkv_kernel(outer_ref, inner_ref, code_ref, *refs, cfg: KernelConfig,
 
     if d_window_ref is not None:  # every step writes its own window (0 if it has none)
         d_window_ref[...] = jnp.zeros(d_window_ref.shape, d_window_ref.dtype)
+    split = operands.splits[0]
+    per_key = {n for n in d_value_refs if split is not None and split.boundary[n].side == "k"}
+    for n, ref in d_value_refs.items():  # (each step its own row: 0 if it has no block)
+        if n not in per_key:
+            ref[...] = jnp.zeros(ref.shape, ref.dtype)
 
     @pl.when(at.first)
     def _init():
@@ -245,6 +313,8 @@ def _dkv_kernel(outer_ref, inner_ref, code_ref, *refs, cfg: KernelConfig,
         dv_acc[...] = jnp.zeros(dv_acc.shape, stat)
         if ds_distance_ref is not None:
             ds_distance_ref[...] = jnp.zeros(ds_distance_ref.shape, ds_distance_ref.dtype)
+        for n in per_key:
+            d_value_refs[n][...] = jnp.zeros(d_value_refs[n].shape, d_value_refs[n].dtype)
 
     def step(positional):
         # (Tables read in the step, under its `pl.when`: inside a user's shard_map,
@@ -273,8 +343,12 @@ def _dkv_kernel(outer_ref, inner_ref, code_ref, *refs, cfg: KernelConfig,
                 tile_mods = operands.tile_mods(operand_refs, queries=queries)
                 mod = score_mod(cfg, u, bi=bi, hi=hi, groups=g, q_start=q_start,
                                 k_start=j * bk, group=group, indices=indices,
-                                tile=tile_mods)
+                                tile=tile_mods,
+                                derivative="partials" if d_value_refs else True)
                 st, t, slope = logits(cfg, u, k, q, stat, term, mod)  # (bk, chunk)
+                partials: dict[int, Array] = {}
+                if isinstance(slope, ModDerivatives):
+                    slope, partials = slope.slope, slope.partials
                 mask = operands.mask(cfg, operand_refs, tables, bi, q_start,
                                      j * bk, (bk, chunk), positional, group,
                                      queries=queries)
@@ -293,6 +367,16 @@ def _dkv_kernel(outer_ref, inner_ref, code_ref, *refs, cfg: KernelConfig,
                     p_v, dp = p * drop, dp * drop
                 dv = dv + dot(p_v.astype(do.dtype), do, NN, stat)
                 ds = _ds(p, dp, delta_ref[group, 0:1, queries], t, slope, mask)
+                for n, ref in d_value_refs.items():
+                    # The cotangent reaching the score_mod's value n: its output's
+                    # (`ds` before its derivative in the scores) times its partial.
+                    x = _ds(p, dp, delta_ref[group, 0:1, queries], t, partials[n], mask)
+                    if n in per_key:  # keys are this tile's rows
+                        ref[group] += jnp.broadcast_to(jnp.sum(x, axis=1, keepdims=True),
+                                                       (bk, LANES))
+                    else:
+                        ref[group, :, c * chunk:(c + 1) * chunk] += jnp.sum(
+                            x, axis=0, keepdims=True)
                 if ds_distance_ref is not None:
                     assert distance is not None
                     ds_distance_ref[group] += jnp.sum(ds * distance, axis=0, keepdims=True)

@@ -39,7 +39,7 @@ from ._tile import (
     prepared_queries,
     units,
 )
-from ._tile_mods import apply_mask_mod, score_mod
+from ._tile_mods import ModDerivatives, apply_mask_mod, score_mod
 from .forward import _FLOOR, _vmem_bytes, _write_finish
 
 
@@ -162,9 +162,14 @@ def _kernel(outer_ref, inner_ref, code_ref, *refs, cfg: KernelConfig,
                 cfg, operand_refs, "relative", i * bq, k_start, (bq, chunk), g))
             indices = operands.global_indices(operand_refs, keys=keys)
             tile_mods = operands.tile_mods(operand_refs, keys=keys)
+            along = tile_mods is not None and tile_mods.tangents
             mod = score_mod(cfg, u, bi=bi, hi=hi, groups=g, q_start=i * bq, k_start=k_start,
-                            indices=indices, tile=tile_mods)
+                            indices=indices, tile=tile_mods,
+                            derivative="tangent" if along else True)
             sc, t, slope = logits(cfg, u, q, k, stat, score_term, mod)
+            mod_tangent = None  # the tangent a split score_mod's arrays give it
+            if isinstance(slope, ModDerivatives):
+                slope, mod_tangent = slope.slope, slope.tangent
             # dS in natural units: the queries carry `u.fold` of the scale.
             ds = None
             if dq is not None:
@@ -181,6 +186,7 @@ def _kernel(outer_ref, inner_ref, code_ref, *refs, cfg: KernelConfig,
                 cfg, operand_refs, "relative_tangent", i * bq, k_start, (bq, chunk), g))
             if ds is not None and slope is not None:
                 ds = ds * slope
+            ds = add_terms(ds, mod_tangent)
             if ds is not None and t is not None:
                 ds = ds * (1.0 - t * t)
             mask = operands.mask(cfg, operand_refs, tables, bi, i * bq, k_start,
