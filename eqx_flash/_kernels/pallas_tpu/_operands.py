@@ -512,6 +512,9 @@ def prepare(cfg: KernelConfig, ops: Operands, heads: tuple[int, ...], v: Array |
         ("pair_mask", ops.pair_mask), ("bias", ops.bias),
         ("bias_tangent", None if d_ops is None else d_ops.bias)) if x is not None]
     vectors = _relative.vectors(cfg, ops, heads, transposed, d_ops)
+    masks_data = (bool(parts) or ops.has_lengths or ops.pair_mask is not None
+                  or _has_mask_mod(cfg))
+    # (A split mod's values after it: a score_mod's mask no pair.)
     splits = _split(cfg, ops, heads)
     tangents = False
     for split in splits:
@@ -523,8 +526,6 @@ def prepare(cfg: KernelConfig, ops: Operands, heads: tuple[int, ...], v: Array |
         for name, x, query in tangent_operands(split, d_values):
             add(name, x, query)
             tangents = True
-    masks_data = (bool(parts) or ops.has_lengths or ops.pair_mask is not None
-                  or _has_mask_mod(cfg))
     if v is not None:
         bad = jnp.logical_not(jnp.all(jnp.isfinite(v), axis=-1))  # (b, h, seq_k)
         add("bad_key", bad[:, :, None, None, :], False)
