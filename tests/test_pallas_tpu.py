@@ -685,6 +685,17 @@ def test_inside_a_users_shard_map():
                                                        layout="zigzag", **mods, **PALLAS),
         mesh=mesh, in_specs=(seq,) * 3, out_specs=(seq, seq), check_vma=False)
     _compare_on(ring_mods, q, k, v, causal=True, **mods)
+    # ... and so do the values a split mod reads by position (documents by id, a
+    # trained bias per key): computed at the pieces' global indices.
+    ids = jnp.stack([jnp.arange(128) // 40, jnp.arange(128) // 50])
+    key_bias = jnp.sin(jnp.arange(128, dtype=jnp.float32))
+    mods = dict(mask_mod=_documents(ids, ids),
+                score_mod=lambda s, b, h, i, j: s + key_bias[j].astype(s.dtype))
+    ring_split = jax.shard_map(
+        lambda q, k, v: eqx_flash.ring_flash_attention(q, k, v, axis_name="x", causal=True,
+                                                       layout="zigzag", **mods, **PALLAS),
+        mesh=mesh, in_specs=(seq,) * 3, out_specs=(seq, seq), check_vma=False)
+    _compare_on(ring_split, q, k, v, causal=True, **mods)
 
 
 def _compare_on(attention, q, k, v, traced=None, **options):

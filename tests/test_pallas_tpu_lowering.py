@@ -165,6 +165,16 @@ def test_mods_on_the_ring_lower_to_mosaic_kernels():
     for fn, kernels in ((ring, 3), (grad, 6)):
         exported = jax.export.export(jax.jit(fn), platforms=("tpu",))(q, q, q)
         assert exported.mlir_module().count("tpu_custom_call") == kernels
+    # A mask_mod reading document ids by position: its values at the pieces' indices.
+    ids = jnp.arange(256) // 100
+    documents = jax.shard_map(
+        lambda q, k, v: ring_flash_attention(q, k, v, axis_name="x", causal=True,
+                                             layout="zigzag", **PALLAS,
+                                             mask_mod=lambda b, h, i, j: ids[i] == ids[j]),
+        mesh=mesh, in_specs=(seq,) * 3, out_specs=(seq, seq), check_vma=False)
+    grad = jax.grad(functools.partial(_loss, documents), argnums=(0, 1, 2))
+    exported = jax.export.export(jax.jit(grad), platforms=("tpu",))(q, q, q)
+    assert exported.mlir_module().count("tpu_custom_call") == 6
 
 
 @pytest.mark.parametrize("blocks", [BLOCKS, {}], ids=["blocks 64x128", "default blocks"])

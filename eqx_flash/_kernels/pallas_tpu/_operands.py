@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jaxtyping import Array
 
-from ..._core.config import KernelConfig, stat_dtype
+from ..._core.config import KernelConfig
 from ..._core.operands import Operands
 from ..._core.options import Window
 from ..._semantics.dropout import flat_head_index, head_seed, keep_for_head
@@ -554,7 +554,8 @@ def _boundary(cfg: KernelConfig, split: Split, ops: Operands, heads: tuple[int, 
     `d_ops`, those of its floating ones (by index)."""
     def values(arrays: Any) -> list[Array]:
         return boundary_values(split, arrays, heads, cfg.padded_seq,
-                               (cfg.block_q, cfg.block_k), stat_dtype(cfg.compute_dtype))
+                               (cfg.block_q, cfg.block_k), jnp.float32,
+                               _global_indices(ops))
 
     if split.name != "score_mod" or d_ops is None or d_ops.score_mod_arrays is None:
         return values(_mod_arrays(split.name, ops)), {}
@@ -580,13 +581,20 @@ def mod_cotangent(cfg: KernelConfig, split: Split, ops: Operands, heads: tuple[i
     def chosen(free: Any) -> list[Array]:
         found = boundary_values(split, eqx.combine(free, frozen, ops.score_mod_consts),
                                 heads, cfg.padded_seq, (cfg.block_q, cfg.block_k),
-                                stat_dtype(cfg.compute_dtype))
+                                jnp.float32, _global_indices(ops))
         return [found[n] for n in order]
 
     primal, vjp = jax.vjp(chosen, free)
     cots = [_summed_like(cotangents[n], p).astype(p.dtype) for n, p in zip(order, primal,
                                                                           strict=True)]
     return vjp(cots)[0]
+
+
+def _global_indices(ops: Operands) -> tuple[Array, Array] | None:
+    """The ring's pieces' indices in the whole sequence (None: the kernels' own)."""
+    if ops.q_index is None or ops.kv_index is None:
+        return None
+    return ops.q_index, ops.kv_index
 
 
 def _summed_like(x: Array, like: Array) -> Array:
@@ -616,8 +624,9 @@ def _split(cfg: KernelConfig, ops: Operands, heads: tuple[int, ...]
         if fn is None or (name == "score_mod" and _relative.module_type(cfg)):
             found.append(None)
             continue
+        # (Traced on float32 scores: the family runs no float64.)
         split = analyse(name, fn, _mod_arrays(name, ops), heads[2], cfg.block_q, cfg.block_k,
-                        stat_dtype(cfg.compute_dtype), ELEMENTWISE)
+                        jnp.float32, ELEMENTWISE)
         if isinstance(split, str):
             raise NotImplementedError(f"kernels='pallas_tpu' does not cover {split}")
         found.append(split if split.boundary or fn.traced else None)

@@ -264,24 +264,30 @@ def _from_int32(x: Array, dtype: Any) -> Array:
 
 
 def boundary_values(split: Split, arrays: Any, heads: tuple[int, ...],
-                    padded_seq: tuple[int, int], blocks: tuple[int, int], dtype: Any
-                    ) -> list[Array]:
+                    padded_seq: tuple[int, int], blocks: tuple[int, int], dtype: Any,
+                    indices: tuple[Array, Array] | None = None) -> list[Array]:
     """Every boundary value over every position, in its own dtype (differentiable in
     the arrays), in the GRID layout of a per-query `(b, h, g|1, seq_q, 1)` or per-key
     `(b, h, g|1, 1, seq_k)` operand (a "bh" value as a per-query one). `blocks`: those
-    `split` was analysed at."""
+    `split` was analysed at; `indices`: the positions' indices in the whole sequence
+    (the ring's pieces: `Operands.q_index`/`kv_index`), else their own."""
     b, h, g = heads
     (seq_q, seq_k), (bq, bk) = padded_seq, blocks
     closed, boundary = split.closed, split.points
     leaves = jax.tree.leaves(arrays)
+    if indices is None:
+        q_idx, k_idx = (jnp.arange(n, dtype=jnp.int32) for n in (seq_q, seq_k))
+    else:
+        q_idx, k_idx = (x.reshape(-1).astype(jnp.int32) for x in indices)
+    q_blocks, k_blocks = q_idx.reshape(-1, bq), k_idx.reshape(-1, bk)
 
-    def outside(bi: Array, hi: Array, q0: Array, k0: Array) -> list[Array]:
-        """The boundary values of the block pair at `(q0, k0)` of kv head `(bi, hi)`."""
+    def outside(bi: Array, hi: Array, q_pos: Array, k_pos: Array) -> list[Array]:
+        """The boundary values of the block pair at positions `(q_pos, k_pos)` of kv
+        head `(bi, hi)`."""
         values = {"s": jnp.zeros((g, bq, bk), dtype),
                   "b": jnp.full((g, 1, 1), bi, jnp.int32),
                   "h": (hi * g + jnp.arange(g, dtype=jnp.int32)).reshape(g, 1, 1),
-                  "q": (q0 + jnp.arange(bq, dtype=jnp.int32)).reshape(1, bq, 1),
-                  "k": (k0 + jnp.arange(bk, dtype=jnp.int32)).reshape(1, 1, bk)}
+                  "q": q_pos.reshape(1, bq, 1), "k": k_pos.reshape(1, 1, bk)}
         env: dict[Any, Any] = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
         env.update(zip(closed.jaxpr.invars, [values[r] for r in split.roles] + leaves,
                        strict=True))
@@ -290,15 +296,17 @@ def boundary_values(split: Split, arrays: Any, heads: tuple[int, ...],
                 _run(eqn, env)
         return [env[v] for v in boundary]
 
-    def over(blocks: int) -> list[Array]:
+    def over(q_pos: Array, k_pos: Array) -> list[Array]:
+        """Over the blocks of `q_pos` `(n, bq)` and `k_pos` `(n, bk)`, pairwise."""
         fn = jax.vmap(jax.vmap(jax.vmap(outside, (None, None, 0, 0)), (None, 0, None, None)),
                       (0, None, None, None))
-        n = jnp.arange(blocks, dtype=jnp.int32)
-        return fn(jnp.arange(b, dtype=jnp.int32), jnp.arange(h, dtype=jnp.int32), n * bq,
-                  n * bk)
+        return fn(jnp.arange(b, dtype=jnp.int32), jnp.arange(h, dtype=jnp.int32), q_pos, k_pos)
 
-    by_query = over(seq_q // bq) if any(x.side != "k" for x in split.boundary) else None
-    by_key = over(seq_k // bk) if any(x.side == "k" for x in split.boundary) else None
+    # (The other side at its first block: the values of one side do not depend on it.)
+    by_query = over(q_blocks, jnp.broadcast_to(k_blocks[:1], (len(q_blocks), bk))) if any(
+        x.side != "k" for x in split.boundary) else None
+    by_key = over(jnp.broadcast_to(q_blocks[:1], (len(k_blocks), bq)), k_blocks) if any(
+        x.side == "k" for x in split.boundary) else None
     found = []
     for n, (x, point) in enumerate(zip(split.boundary, boundary, strict=True)):
         if x.side == "k":

@@ -51,10 +51,10 @@ ELEMENTWISE = frozenset({
     "shift_left", "shift_right_arithmetic", "shift_right_logical", "sign", "sin", "sqrt",
     "square", "stop_gradient", "sub", "tanh", "xor",
 })
-def uncovered(name: str, mod: Callable[..., Any] | None, groups: int, dtype: Any,
-              pieces: bool = False) -> str | None:
+def uncovered(name: str, mod: Callable[..., Any] | None, groups: int, dtype: Any
+              ) -> str | None:
     """Why the kernels cannot run `mod` (a `score_mod`, or a `mask_mod` without the
-    scores), or None where they can (`pieces`: on the ring's pieces)."""
+    scores), or None where they can."""
     if mod is None:
         return None
     if name == "score_mod" and isinstance(mod, RelativeScoreMod):
@@ -65,11 +65,7 @@ def uncovered(name: str, mod: Callable[..., Any] | None, groups: int, dtype: Any
     except Exception:  # noqa: BLE001 - the families' own checks say what is wrong
         return f"a {name} that does not trace on a block"
     split = analyse(name, fn, arrays, groups, 8, 128, dtype, ELEMENTWISE)
-    if isinstance(split, str):
-        return split
-    if split.boundary and pieces:
-        return f"a {name} reading arrays on the ring's pieces"
-    return None
+    return split if isinstance(split, str) else None
 
 
 def _uncovered_relative(mod: RelativeScoreMod, groups: int) -> str | None:

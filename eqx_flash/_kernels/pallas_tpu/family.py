@@ -67,8 +67,8 @@ def covers(cfg: KernelConfig, call: Call) -> str | None:
     reasons = [reason for missing, reason in unsupported if missing]
     # A score_mod / mask_mod: what Mosaic can run of it (`_tile_mods.uncovered`).
     reasons += [reason for reason in (
-        uncovered("score_mod", call.score_mod, call.shapes.groups, stat, call.pieces),
-        uncovered("mask_mod", call.mask_mod, call.shapes.groups, stat, call.pieces))
+        uncovered("score_mod", call.score_mod, call.shapes.groups, stat),
+        uncovered("mask_mod", call.mask_mod, call.shapes.groups, stat))
         if reason is not None]
     return None if not reasons else "; ".join(reasons)
 
