@@ -21,8 +21,9 @@ name contains one of the given substrings):
   trained: fwd+bwd takes its gradient; `+softcap`: `softcap=30`; `+softcap_mod`: the
   same cap written as a `score_mod`; `+window_mod`: a causal window of 1024 keys as a
   `mask_mod`; `+doc_mod`: documents of 1024 tokens as a `mask_mod`, at 1024 x 1024 blocks,
-  1 - 1024 / seq of the block pairs empty; `+t5`: T5's `RelativePositionBias`, trained:
-  fwd+bwd takes its table's gradient), for what the feature costs (a mask_mod's block
+  1 - 1024 / seq of the block pairs empty; `+doc_ids`: the same documents read from an
+  array of ids; `+t5`: T5's `RelativePositionBias`, trained: fwd+bwd takes its table's
+  gradient), for what the feature costs (a mask_mod's block
   summary drives the kernels' plan: the blocks it empties cost nothing).
 - `pallas flash bN`: `jax.experimental.pallas.ops.tpu.flash_attention` with every block
   size N of `--blocks` (k and v repeated to the query heads for GQA: it has none).
@@ -184,7 +185,20 @@ FEATURES: dict[str, Callable[[Config, int], dict[str, Any]]] = {
     "doc_mod": lambda config, seq: {"mask_mod": _doc_mod, "block_q": 1024, "block_k": 1024},
     "t5": lambda config, seq: {"score_mod": eqx_flash.RelativePositionBias(
         config.heads, key=jax.random.key(2))},
+    "doc_ids": lambda config, seq: {"mask_mod": _documents_by_id(seq), "block_q": 1024,
+                                    "block_k": 1024},
 }
+
+
+def _documents_by_id(seq: int):
+    """`doc_mod`'s documents read from an array of ids, as FlexAttention writes them (the
+    Pallas kernels compute the ids per position outside and read them per tile)."""
+    ids = jnp.arange(seq, dtype=jnp.int32) // 1024
+
+    def same_document(batch, head, q_idx, kv_idx):
+        return ids[q_idx] == ids[kv_idx]
+
+    return same_document
 
 
 def _softcap_mod(score, batch, head, q_idx, kv_idx):  # Gemma 2's soft cap, as a score_mod

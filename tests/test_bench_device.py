@@ -191,6 +191,18 @@ def test_the_t5_feature_trains_its_table(bench):
     assert tangent.shape == q.shape
 
 
+def test_the_doc_ids_feature_is_doc_mod_by_array(bench):
+    """`--features doc_ids`: the same documents as `doc_mod`, read from an array of ids."""
+    impls, _ = bench.implementations([512], ["xla"], ["doc_ids", "doc_mod"])
+    rows = {i.label: i for i in impls}
+    config = bench.parse_config("h2d16")
+    q, k, v = (jax.random.normal(jax.random.key(n), (1, 2, 2048, 16)) for n in range(3))
+    by_id = rows["eqx_flash[xla]+doc_ids"].make(config, 2048, False, None)(q, k, v)
+    by_formula = rows["eqx_flash[xla]+doc_mod"].make(config, 2048, False, None)(q, k, v)
+    assert jnp.allclose(by_id, by_formula, atol=1e-6)
+    assert not jnp.allclose(by_id, eqx_flash.flash_attention(q, k, v)[0], atol=1e-3)
+
+
 def test_tpu_peers_wiring_in_interpret_mode(bench):
     """Pallas flash (k, v repeated for GQA) and splash (q pre-scaled, vmapped over the
     batch) compute plain attention: run by Pallas' TPU interpreter on CPU."""
