@@ -15,7 +15,7 @@ differentiable, and the backward kernel gets their cotangents from `jax.vjp` of 
 """
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -168,22 +168,32 @@ def sub_jaxprs(params: dict[str, Any]) -> list[Any]:
     return found
 
 
-def _mixes_elements(jaxpr: Any, tainted: set) -> str | None:
-    """The first primitive in `jaxpr` that mixes elements of the tainted inputs (None)."""
-    for eqn in jaxpr.eqns:
+def first_mixing(jaxpr: Any, tainted: set, mixes: Callable[[Any, list[bool]], str | None],
+                 skip: Sequence[bool] | None = None) -> str | None:
+    """The first primitive in `jaxpr` (or in a jaxpr inside it) that `mixes(eqn, hit)`
+    names, following the values derived from the `tainted` ones (`hit`: which inputs of
+    `eqn` are); the equations `skip` marks (at the top level) pass them on unchecked."""
+    for n, eqn in enumerate(jaxpr.eqns):
         hit = [isinstance(v, jex.core.Var) and v in tainted for v in eqn.invars]
         if not any(hit):
             continue
-        if eqn.primitive.name in _MIXING:
-            return eqn.primitive.name
-        for sub in sub_jaxprs(eqn.params):
-            if len(sub.invars) == len(eqn.invars):
-                inner = {v for v, h in zip(sub.invars, hit, strict=True) if h}
-                found = _mixes_elements(sub, inner)
-                if found is not None:
-                    return found
+        if skip is None or not skip[n]:
+            found = mixes(eqn, hit)
+            if found is not None:
+                return found
+            for sub in sub_jaxprs(eqn.params):
+                if len(sub.invars) == len(eqn.invars):
+                    inner = {v for v, h in zip(sub.invars, hit, strict=True) if h}
+                    found = first_mixing(sub, inner, mixes)
+                    if found is not None:
+                        return found
         tainted.update(eqn.outvars)
     return None
+
+
+def _mixing_scores(eqn: Any, hit: list[bool]) -> str | None:
+    del hit
+    return eqn.primitive.name if eqn.primitive.name in _MIXING else None
 
 
 def check_score_mod(
@@ -206,7 +216,7 @@ def check_score_mod(
             "`.astype(score.dtype)` on the result)"
         )
     score_var = closed.jaxpr.invars[0]
-    mixing = _mixes_elements(closed.jaxpr, {score_var})
+    mixing = first_mixing(closed.jaxpr, {score_var}, _mixing_scores)
     if mixing is not None:
         raise ValueError(
             f"score_mod must be elementwise in the scores (it is called on one block at a "

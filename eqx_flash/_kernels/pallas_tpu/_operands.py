@@ -548,26 +548,24 @@ def prepare(cfg: KernelConfig, ops: Operands, heads: tuple[int, ...], v: Array |
         vectors=tuple(vectors), splits=splits, mod_tangents=tangents)
 
 
+def _values_of(cfg: KernelConfig, split: Split, ops: Operands, heads: tuple[int, ...]
+               ) -> Callable[[Any], list[Array]]:
+    """A split mod's boundary values as a function of its arrays (`_mod_arrays`)."""
+    return lambda arrays: boundary_values(split, arrays, heads, cfg.padded_seq,
+                                          (cfg.block_q, cfg.block_k), jnp.float32,
+                                          _global_indices(ops))
+
+
 def _boundary(cfg: KernelConfig, split: Split, ops: Operands, heads: tuple[int, ...],
               d_ops: Operands | None) -> tuple[list[Array], dict[int, Array]]:
     """A split mod's boundary values and, with the tangents of a score_mod's arrays in
     `d_ops`, those of its floating ones (by index)."""
-    def values(arrays: Any) -> list[Array]:
-        return boundary_values(split, arrays, heads, cfg.padded_seq,
-                               (cfg.block_q, cfg.block_k), jnp.float32,
-                               _global_indices(ops))
-
+    values = _values_of(cfg, split, ops, heads)
     if split.name != "score_mod" or d_ops is None or d_ops.score_mod_arrays is None:
         return values(_mod_arrays(split.name, ops)), {}
-    wanted = floating(split)
-
-    def chosen(arrays: Any) -> list[Array]:
-        found = values(eqx.combine(arrays, ops.score_mod_consts))
-        return [found[n] for n in wanted]
-
-    primal = values(_mod_arrays(split.name, ops))
-    _, tangents = jax.jvp(chosen, (ops.score_mod_arrays,), (d_ops.score_mod_arrays,))
-    return primal, dict(zip(wanted, tangents, strict=True))
+    primal, tangents = jax.jvp(lambda a: values(eqx.combine(a, ops.score_mod_consts)),
+                               (ops.score_mod_arrays,), (d_ops.score_mod_arrays,))
+    return primal, {n: tangents[n] for n in floating(split)}
 
 
 def mod_cotangent(cfg: KernelConfig, split: Split, ops: Operands, heads: tuple[int, ...],
@@ -577,17 +575,15 @@ def mod_cotangent(cfg: KernelConfig, split: Split, ops: Operands, heads: tuple[i
     layout, float32, over every group)."""
     free, frozen = eqx.partition(ops.score_mod_arrays, wanted)
     order = sorted(cotangents)
+    values = _values_of(cfg, split, ops, heads)
 
     def chosen(free: Any) -> list[Array]:
-        found = boundary_values(split, eqx.combine(free, frozen, ops.score_mod_consts),
-                                heads, cfg.padded_seq, (cfg.block_q, cfg.block_k),
-                                jnp.float32, _global_indices(ops))
+        found = values(eqx.combine(free, frozen, ops.score_mod_consts))
         return [found[n] for n in order]
 
     primal, vjp = jax.vjp(chosen, free)
-    cots = [_summed_like(cotangents[n], p).astype(p.dtype) for n, p in zip(order, primal,
-                                                                          strict=True)]
-    return vjp(cots)[0]
+    return vjp([summed_to(cotangents[n], p.shape).astype(p.dtype)
+                for n, p in zip(order, primal, strict=True)])[0]
 
 
 def _global_indices(ops: Operands) -> tuple[Array, Array] | None:
@@ -597,10 +593,9 @@ def _global_indices(ops: Operands) -> tuple[Array, Array] | None:
     return ops.q_index, ops.kv_index
 
 
-def _summed_like(x: Array, like: Array) -> Array:
-    """`x` summed over the axes `like` has 1 where `x` does not."""
-    axes = tuple(a for a, (m, n) in enumerate(zip(x.shape, like.shape, strict=True))
-                 if n == 1 and m != 1)
+def summed_to(x: Array, shape: tuple[int, ...]) -> Array:
+    """`x` summed over the axes where `shape` is 1 (a broadcast operand's cotangent)."""
+    axes = tuple(a for a, n in enumerate(shape) if n == 1 and x.shape[a] != 1)
     return jnp.sum(x, axis=axes, keepdims=True) if axes else x
 
 

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
 
-from ..._mods.tracing import ModFn, sub_jaxprs
+from ..._mods.tracing import ModFn, first_mixing, sub_jaxprs
 
 # Primitives that keep a value per position when a position-dependent value passes
 # through them (besides elementwise ones): shape bookkeeping, and a gather whose
@@ -136,38 +136,26 @@ def _classify(closed: Any, roles: tuple[str, ...], elementwise: frozenset[str]
     return in_kernel, boundary, dep
 
 
-def _mixes_positions(jaxpr: Any, tainted: set[Any], outside: list[bool] | None = None
-                     ) -> str | None:
-    """The first primitive that combines different positions of a position-dependent
-    value (`tainted`), so that it is no longer one value per position: one that keeps
-    its shape but runs along an axis (`_ALONG_AXES`), a gather from such a value (a
-    gather at such indices keeps one value per index), a concatenation of more than
-    single components, or any other that changes a tainted input's shape."""
-    for n, eqn in enumerate(jaxpr.eqns):
-        hit = [isinstance(x, jex.core.Var) and x in tainted for x in eqn.invars]
-        if not any(hit) or (outside is not None and not outside[n]):
-            tainted.update(eqn.outvars if any(hit) else ())
-            continue
-        name = eqn.primitive.name
-        if name in _NESTED:
-            for sub in sub_jaxprs(eqn.params):
-                if len(sub.invars) == len(eqn.invars):
-                    inner = {v for v, h in zip(sub.invars, hit, strict=True) if h}
-                    found = _mixes_positions(sub, inner)
-                    if found is not None:
-                        return found
-        elif name in _ALONG_AXES or (name == "gather" and hit[0]):
+def _mixes_positions(eqn: Any, hit: list[bool]) -> str | None:
+    """`eqn`, if it combines different positions of a position-dependent input (`hit`),
+    so that its result is no longer one value per position: one that keeps its shape
+    but runs along an axis (`_ALONG_AXES`), a gather from such a value (a gather at such
+    indices keeps one value per index), a concatenation of more than single components,
+    or any other that changes a tainted input's shape (nested jaxprs: their equations,
+    by `first_mixing`)."""
+    name = eqn.primitive.name
+    if name in _NESTED:
+        return None
+    if name in _ALONG_AXES or (name == "gather" and hit[0]):
+        return name
+    if name == "concatenate":
+        axis = eqn.params["dimension"]
+        return name if any(x.aval.shape[axis] != 1 for x in eqn.invars) else None
+    if name not in _PER_POSITION and name != "gather":
+        shape = tuple(eqn.outvars[0].aval.shape)
+        if any(h and not _broadcasts_to(tuple(x.aval.shape), shape)
+               for x, h in zip(eqn.invars, hit, strict=True)):
             return name
-        elif name == "concatenate":
-            axis = eqn.params["dimension"]
-            if any(x.aval.shape[axis] != 1 for x in eqn.invars):
-                return name
-        elif name not in _PER_POSITION and name != "gather":
-            shape = tuple(eqn.outvars[0].aval.shape)
-            if any(h and not _broadcasts_to(tuple(x.aval.shape), shape)
-                   for x, h in zip(eqn.invars, hit, strict=True)):
-                return name
-        tainted.update(eqn.outvars)
     return None
 
 
@@ -203,7 +191,8 @@ def analyse(name: str, fn: ModFn, arrays: Any, groups: int, block_q: int, block_
     in_kernel, boundary, dep = classified
     positions = {v for v, r in zip(closed.jaxpr.invars, roles, strict=False)
                  if r in ("q", "k")}
-    mixed = _mixes_positions(closed.jaxpr, positions, [not k for k in in_kernel])
+    # (Only what runs outside is computed per block: the kernel's equations see tiles.)
+    mixed = first_mixing(closed.jaxpr, positions, _mixes_positions, in_kernel)
     if mixed is not None and boundary:
         return f"a {name} whose arrays are read through `{mixed}` of positions"
     found = []

@@ -183,32 +183,26 @@ def apply_score_mod(cfg: KernelConfig, units: float, s: Array, *, bi: Array, hi:
         if not derivative:
             return natural(x, *values), None
 
-        def along(tangents: dict[int, Array]) -> tuple[Array, Array]:
-            """`natural` and its derivative along `x`'s ones and these values' tangents."""
-            return jax.jvp(lambda x, *chosen: natural(x, *_with(values, wanted, chosen)),
-                           (x, *(values[n] for n in wanted)),
-                           (jnp.ones_like(x), *(tangents[n] for n in wanted)))
+        def along(which: list[int], tangents: list[Array]) -> Array:
+            """The derivative of `natural` (natural units) along these values' tangents,
+            the scores held."""
+            def of(*chosen: Array) -> Array:
+                return natural(x, *_with(values, which, chosen))
+
+            _, d = jax.jvp(of, tuple(values[n] for n in which), tuple(tangents))
+            return d * jnp.asarray(1.0 / units, x.dtype)
 
         out, slope = jax.jvp(lambda x: natural(x, *values), (x,), (jnp.ones_like(x),))
         if derivative is True or not wanted:
             return out, slope
-        scale = jnp.asarray(1.0 / units, x.dtype)
         if derivative == "partials":
-            partials = {}
-            for n in wanted:
-                one = {m: jnp.ones_like(values[m]) if m == n else jnp.zeros_like(values[m])
-                       for m in wanted}
-                zero_x = jax.jvp(lambda *chosen: natural(x, *_with(values, wanted, chosen)),
-                                 tuple(values[m] for m in wanted),
-                                 tuple(one[m] for m in wanted))[1]
-                partials[n] = zero_x * scale
+            partials = {n: along([n], [jnp.ones_like(values[n])]) for n in wanted}
             return out, ModDerivatives(slope, partials, None)
         assert tile is not None and split is not None and derivative == "tangent"
         if not tile.tangents:
             return out, ModDerivatives(slope, {}, None)
         d_values = read_values(split, tile.read(h), "_tangent", wanted)
-        _, both = along(dict(zip(wanted, d_values, strict=True)))
-        return out, ModDerivatives(slope, {}, (both - slope) * scale)
+        return out, ModDerivatives(slope, {}, along(wanted, d_values))
 
     heads = _heads(groups, group)
     n = s.shape[0] // len(heads)

@@ -38,6 +38,7 @@ from ._operands import (
     masks_some_pairs,
     mod_cotangent,
     prepare,
+    summed_to,
 )
 from ._plan import Layout, Plan, applies_mask_mod, backward_plan, forward_plan
 from ._platform import on_tpu_or_interpreted
@@ -88,12 +89,11 @@ def backward(cfg: KernelConfig, q: Array, k: Array, v: Array, ops: Operands, lse
     d_bias_wanted = ops.bias is not None and bool(wanted.bias)
     fused = tuning.fused_backward and dq_bytes <= FUSED_DQ_BYTES and not d_bias_wanted
     slopes = ops.alibi_slopes is not None and wanted.alibi_slopes is not None
-    relative = "relative" in dkv_ops.vectors and any(
-        jax.tree.leaves(wanted.score_mod_arrays))
+    arrays_wanted = any(jax.tree.leaves(wanted.score_mod_arrays))
+    relative = "relative" in dkv_ops.vectors and arrays_wanted
     # A split score_mod's floating values whose cotangents reach its arrays.
     split = dkv_ops.splits[0]
-    mod_values = tuple(floating(split)) if split is not None and any(
-        jax.tree.leaves(wanted.score_mod_arrays)) else ()
+    mod_values = tuple(floating(split)) if split is not None and arrays_wanted else ()
     call = functools.partial(_dkv_call, cfg, bwd_plan, dkv_ops, u, tuning.backward_chunk(cfg),
                              fused, slopes, relative, mod_values)
     results = list(on_tpu_or_interpreted(call, q_in, k, v, d_out, lse_u, delta))
@@ -175,20 +175,22 @@ def _value_cotangents(cfg: KernelConfig, split: Split, which: tuple[int, ...],
 def _ds(p, dp, delta, t, slope, mask):
     """The logits' cotangent: softmax backward, through the cap and the score_mod (its
     derivative `slope`), zero at masked pairs."""
+    return _through(_capped_ds(p, dp, delta, t), slope, mask)
+
+
+def _capped_ds(p, dp, delta, t):
+    """The cotangent of the score_mod's output: softmax backward, through the cap."""
     ds = p * (dp - delta)
-    if t is not None:
-        ds = ds * (1.0 - t * t)
+    return ds if t is None else ds * (1.0 - t * t)
+
+
+def _through(ds, slope, mask):
+    """`ds` through a derivative `slope` (None: 1), zero at masked pairs."""
     if slope is not None:
         ds = ds * slope
     if mask is not None:
         ds = jnp.where(mask, ds, 0.0)
     return ds
-
-
-def _summed_to(x: Array, shape: tuple[int, ...]) -> Array:
-    """`x` summed over the axes where `shape` is 1 (a broadcast operand's cotangent)."""
-    axes = tuple(a for a, n in enumerate(shape) if n == 1 and x.shape[a] != 1)
-    return jnp.sum(x, axis=axes, keepdims=True) if axes else x
 
 
 # dk, dv (and dq, fused): per key block, its query blocks (the transposed plan).
@@ -366,11 +368,12 @@ def _dkv_kernel(outer_ref, inner_ref, code_ref, *refs, cfg: KernelConfig,
                 if drop is not None:
                     p_v, dp = p * drop, dp * drop
                 dv = dv + dot(p_v.astype(do.dtype), do, NN, stat)
-                ds = _ds(p, dp, delta_ref[group, 0:1, queries], t, slope, mask)
+                d_mod = _capped_ds(p, dp, delta_ref[group, 0:1, queries], t)
+                ds = _through(d_mod, slope, mask)
                 for n, ref in d_value_refs.items():
-                    # The cotangent reaching the score_mod's value n: its output's
-                    # (`ds` before its derivative in the scores) times its partial.
-                    x = _ds(p, dp, delta_ref[group, 0:1, queries], t, partials[n], mask)
+                    # The cotangent reaching the score_mod's value n: its output's times
+                    # its partial in n.
+                    x = _through(d_mod, partials[n], mask)
                     if n in per_key:  # keys are this tile's rows
                         ref[group] += jnp.broadcast_to(jnp.sum(x, axis=1, keepdims=True),
                                                        (bk, LANES))
@@ -538,7 +541,7 @@ def _dq_kernel(outer_ref, inner_ref, code_ref, *refs, cfg: KernelConfig,
         acc_ref[...] += dot(ds.astype(k.dtype), k, NN, stat)
         if d_bias_ref is not None:
             # (`ds` is the cotangent of the natural pre-cap logits, where the bias adds.)
-            d_bias_ref[...] = _summed_to(ds.reshape(g, bq, bk), d_bias_ref.shape)
+            d_bias_ref[...] = summed_to(ds.reshape(g, bq, bk), d_bias_ref.shape)
 
     by_flag(flag, operands.masks_data, step)
 
