@@ -25,6 +25,7 @@ from helpers import (
     sliding_prefix,
 )
 from hypothesis import given
+from jax.experimental import pallas as pl
 
 import eqx_flash
 from eqx_flash import flash_attention, plain_attention
@@ -227,6 +228,30 @@ def test_score_and_mask_mods_against_reference():
     _compare_with_array(q, k, v, case, "bias", bias, jnp.sin(bias))
 
 
+@pytest.mark.parametrize("rows, cols", [(128, 128), (256, 384), (384, 128)])
+def test_toeplitz_term_and_its_adjoint(rows, cols):
+    """The relative term's tile `T[r, c] = w[c - r + rows]`, built in a kernel, and its
+    adjoint (each diagonal's sum of a cotangent) against index arithmetic."""
+    from eqx_flash._kernels.pallas_tpu import _relative
+
+    width = rows + cols
+    w = jnp.broadcast_to(jax.random.normal(jax.random.key(1), (1, width)), (8, width))
+    ds = jax.random.normal(jax.random.key(2), (rows, cols))
+
+    def kernel(w_ref, ds_ref, t_ref, dw_ref):
+        t_ref[...] = _relative.toeplitz(w_ref[...], rows, cols)
+        dw_ref[...] = jnp.broadcast_to(_relative.toeplitz_adjoint(ds_ref[...]), (8, width))
+
+    t, dw = pl.pallas_call(
+        kernel, interpret=jax.default_backend() != "tpu",
+        out_shape=(jax.ShapeDtypeStruct((rows, cols), jnp.float32),
+                   jax.ShapeDtypeStruct((8, width), jnp.float32)))(w, ds)
+    index = jnp.arange(cols)[None, :] - jnp.arange(rows)[:, None] + rows
+    np.testing.assert_array_equal(t, w[0][index])
+    expected = jnp.zeros(width).at[index].add(ds)
+    np.testing.assert_allclose(dw[0], expected, rtol=1e-5, atol=1e-5)
+
+
 class _Clipped(eqx_flash.RelativeScoreMod):
     """A learned bias per head and clipped offset, in both directions."""
 
@@ -241,6 +266,8 @@ RELATIVE = {
     "T5 buckets, causal softcap": dict(causal=True, softcap=3.0),
     "clipped table, window": dict(window=(60, 20), module="clipped"),
     "clipped table, beside a bias": dict(bias=(200, 1), module="clipped"),
+    # Most tiles' windows lie past max_distance: one constant each, not built.
+    "T5 buckets, long sequences": dict(shapes=((1, 4, 520, 32), (1, 2, 700, 32))),
 }
 
 
@@ -251,7 +278,7 @@ def test_relative_score_mods_against_reference(name):
     cotangents), and a jvp along q and the table, against `plain_attention` calling the
     module per pair (GQA 4/2; 200 queries on 300 keys)."""
     case = dict(RELATIVE[name])
-    q, k, v = qkv(31, (2, 4, 200, 32), (2, 2, 300, 32))
+    q, k, v = qkv(31, *case.pop("shapes", ((2, 4, 200, 32), (2, 2, 300, 32))))
     if case.pop("module", None) == "clipped":
         module: eqx.Module = _Clipped(jax.random.normal(jax.random.key(32), (17, 4)))
     else:

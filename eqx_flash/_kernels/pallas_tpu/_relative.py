@@ -40,6 +40,8 @@ _SUBLANES = 8
 # A kernel holds a kv head's vectors whole in VMEM (double-buffered): past this, longer
 # sequences run on the pure-JAX kernels (`family.covers`).
 MAX_VECTOR_BYTES = 32 * 2**20
+# The entries of the SMEM table of constant runs (`runs`); past it, every tile is built.
+MAX_RUN_ENTRIES = 2**15
 
 
 def vector_bytes(cfg: KernelConfig, groups: int) -> int:
@@ -121,6 +123,53 @@ def vectors(cfg: KernelConfig, ops: Operands, heads: tuple[int, ...], transposed
     return {"relative": value, "relative_tangent": tangent}
 
 
+def runs(cfg: KernelConfig, ops: Operands, heads: tuple[int, ...], transposed: bool
+         ) -> Array | None:
+    """For every query head and every vreg-aligned start of its vector, how many entries
+    from there hold the same term: `(kv heads * g * length / 128,)` int32, the kernels'
+    SMEM table "relative_runs" (None without a `RelativeScoreMod`, or past
+    `MAX_RUN_ENTRIES`). A tile whose window lies in one run adds a constant
+    (`constant_window`): T5's buckets past `max_distance`, a clipped table's ends.
+
+    Entries are the same where the values are equal and so are their derivatives in
+    the module's arrays: a tile's gradient then goes to any entry of its window. The
+    derivatives are compared along one fixed random direction (exact for lookups:
+    entries read from different places of an array differ there)."""
+    if not module_type(cfg):
+        return None
+    where = Vector.of(cfg, transposed)
+    _, h, g = heads
+    if h * g * (where.length // MULTIPLE) > MAX_RUN_ENTRIES:
+        return None
+    free, frozen = eqx.partition(ops.score_mod_arrays, eqx.is_inexact_array)
+
+    def values(free: Any) -> Array:
+        module = _module(cfg, eqx.combine(free, frozen), ops.score_mod_consts)
+        return _values(cfg, module, h, g, where)[0, :, :, 0].reshape(h * g, where.length)
+
+    leaves, tree = jax.tree.flatten(free)
+    direction = jax.tree.unflatten(tree, [
+        jax.random.normal(jax.random.key(i), x.shape, jnp.float32).astype(x.dtype)
+        for i, x in enumerate(leaves)])
+    value, slope = jax.jvp(values, (free,), (direction,))
+    same = (value[:, 1:] == value[:, :-1]) & (slope[:, 1:] == slope[:, :-1])
+    # new[t - 1]: entry t starts a run; ends[s] the first start after s.
+    new = jnp.where(same, where.length, jnp.arange(1, where.length, dtype=jnp.int32))
+    ends = jax.lax.cummin(new, axis=1, reverse=True)
+    ends = jnp.concatenate([ends, jnp.full((h * g, 1), where.length, jnp.int32)], axis=1)
+    lengths = ends - jnp.arange(where.length, dtype=jnp.int32)[None, :]
+    return lengths[:, ::MULTIPLE].reshape(-1)
+
+
+def constant_window(tables: Any, hi: Any, groups: int, group: int, start: Any,
+                    width: int, length: int) -> Any:
+    """Whether query head `group` of kv head `hi` holds one term on the window of
+    `width` entries from `start` (`runs`; `tables` its table)."""
+    # (start >= 0: truncating division, which Mosaic lowers on scalars)
+    index = (hi * groups + group) * (length // MULTIPLE) + jax.lax.div(start, MULTIPLE)
+    return tables[index] >= width
+
+
 def arrays_cotangent(cfg: KernelConfig, ops: Operands, wanted: Any, windows: Array,
                      starts: Array) -> Any:
     """The cotangent of the module's arrays marked in `wanted` (None elsewhere, as the
@@ -129,13 +178,17 @@ def arrays_cotangent(cfg: KernelConfig, ops: Operands, wanted: Any, windows: Arr
     steps)` of the transposed kernels' vector."""
     where = Vector.of(cfg, transposed=True)
     b, h, steps, g, _, width = windows.shape
-    index = (jnp.broadcast_to(starts, (b, h, steps))[..., None]
-             + jnp.arange(width, dtype=jnp.int32)[None, None, None, :])
-    flat = jnp.broadcast_to(index[:, :, :, None, :], (b, h, steps, g, width))
+    # Every window starts on a whole vreg: scattered 128 entries per index (an XLA
+    # scatter of single entries runs one update at a time on a TPU).
+    n = width // MULTIPLE
+    first = jnp.broadcast_to(starts, (b, h, steps)) // MULTIPLE
+    chunk = first[:, :, :, None, None] + jnp.arange(n, dtype=jnp.int32)[None, None, None, None]
     heads = (jnp.arange(h)[:, None] * g + jnp.arange(g)[None, :])  # (h, g)
-    head_index = jnp.broadcast_to(heads[None, :, None, :, None], flat.shape)
-    d_vector = jnp.zeros((h * g, where.length), jnp.float32).at[
-        head_index.reshape(-1), flat.reshape(-1)].add(windows.reshape(-1))
+    shape = (b, h, steps, g, n)
+    d_vector = jnp.zeros((h * g, where.length // MULTIPLE, MULTIPLE), jnp.float32).at[
+        jnp.broadcast_to(heads[None, :, None, :, None], shape),
+        jnp.broadcast_to(chunk, shape)].add(windows.reshape(*shape, MULTIPLE))
+    d_vector = d_vector.reshape(h * g, where.length)
     free, frozen = eqx.partition(ops.score_mod_arrays, wanted)
 
     def values(free: Any) -> Array:
@@ -165,32 +218,45 @@ def _row_is(shape: tuple[int, ...], row: int) -> Array:
     return jax.lax.broadcasted_iota(jnp.int32, shape, 0) == row
 
 
+def _diagonals(w: Array) -> Array:
+    """`F[r, y] = w[y - r]` for the 128 rows `r` and every lane `y >= r` of the window `w`
+    `(8, width)` (its eight rows equal): eight rows each rotated by its row, then 16 such
+    groups rotated by 8 more each. Lanes below the row wrap around and are never read."""
+    eight = _total([jnp.where(_row_is(w.shape, s), _roll(w, s), 0.0)
+                    for s in range(_SUBLANES)])
+    return jnp.concatenate([_roll(eight, _SUBLANES * i)
+                            for i in range(MULTIPLE // _SUBLANES)], axis=0)
+
+
 def toeplitz(w: Array, rows: int, cols: int) -> Array:
     """`T[r, c] = w[c - r + rows]`, `(rows, cols)`, from a window `w` `(8, rows + cols)`
-    (its eight rows equal)."""
+    (its eight rows equal). Rows `128 a + r` are `_diagonals(w)[r, c + rows - 128 a]`: a
+    slice of it at a whole-vreg lane offset, so no rotation past the first 128 rows."""
     width = w.shape[-1]
     assert rows % MULTIPLE == 0 and width == rows + cols, (rows, cols, w.shape)
-    shifted = _roll(w, width - rows)  # shifted[y] = w[y + rows]
-    # eight[s, x] = shifted[x - s]; then rows 8 i + s of the first 128 rotated by 8 i.
-    eight = _total([jnp.where(_row_is(w.shape, s), _roll(shifted, s), 0.0)
-                    for s in range(_SUBLANES)])
-    first = jnp.concatenate([_roll(eight, _SUBLANES * i)
-                             for i in range(MULTIPLE // _SUBLANES)], axis=0)
-    return jnp.concatenate([_roll(first, MULTIPLE * a)[:, :cols]
+    first = _diagonals(w)
+    return jnp.concatenate([first[:, rows - MULTIPLE * a:rows - MULTIPLE * a + cols]
                             for a in range(rows // MULTIPLE)], axis=0)
 
 
 def toeplitz_adjoint(ds: Array) -> Array:
     """The cotangent of `toeplitz`'s window for the cotangent `ds` `(rows, cols)` of its
-    tile: `(1, rows + cols)`, `ds` summed along each diagonal."""
+    tile: `(1, rows + cols)`, `ds` summed along each diagonal. `toeplitz`'s steps in
+    reverse: each 128 rows of `ds` added into a `(128, rows + cols)` sum at its lane
+    offset (whole vregs, each of `ds` added once), then the diagonals' rotations undone."""
     rows, cols = ds.shape
     assert rows % MULTIPLE == 0 and cols % MULTIPLE == 0, ds.shape
-    padded = jnp.concatenate([ds, jnp.zeros((rows, rows), ds.dtype)], axis=1)
-    first = _total([_roll(padded[a * MULTIPLE:(a + 1) * MULTIPLE], -MULTIPLE * a)
-                    for a in range(rows // MULTIPLE)])
-    eight = _total([_roll(first[i * _SUBLANES:(i + 1) * _SUBLANES], -_SUBLANES * i)
+    groups, col_tiles = rows // MULTIPLE, cols // MULTIPLE
+    zero = jnp.zeros((MULTIPLE, MULTIPLE), ds.dtype)
+    tiles = []
+    for j in range((rows + cols) // MULTIPLE):  # lanes [128 j, 128 j + 128) of the sum
+        parts = [ds[MULTIPLE * a:MULTIPLE * (a + 1), MULTIPLE * c:MULTIPLE * (c + 1)]
+                 for a in range(groups)
+                 if 0 <= (c := j - groups + a) < col_tiles]
+        tiles.append(_total(parts) if parts else zero)
+    summed = jnp.concatenate(tiles, axis=1)  # summed[r, y]: F's cotangent
+    eight = _total([_roll(summed[i * _SUBLANES:(i + 1) * _SUBLANES], -_SUBLANES * i)
                     for i in range(MULTIPLE // _SUBLANES)])
     shifted = _total([_roll(jnp.where(_row_is(eight.shape, s), eight, 0.0), -s)
                       for s in range(_SUBLANES)])
-    total = jnp.sum(shifted, axis=0, keepdims=True)
-    return _roll(total, rows)
+    return jnp.sum(shifted, axis=0, keepdims=True)
