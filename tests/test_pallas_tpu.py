@@ -266,7 +266,7 @@ RELATIVE = {
     "T5 buckets, causal softcap": dict(causal=True, softcap=3.0),
     "clipped table, window": dict(window=(60, 20), module="clipped"),
     "clipped table, beside a bias": dict(bias=(200, 1), module="clipped"),
-    # Most tiles' windows lie past max_distance: one constant each, not built.
+    # Most tiles' windows lie past max_distance (long constant stretches of the vector).
     "T5 buckets, long sequences": dict(shapes=((1, 4, 520, 32), (1, 2, 700, 32))),
 }
 

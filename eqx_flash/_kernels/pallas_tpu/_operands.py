@@ -143,14 +143,13 @@ class BlockOperands:
                    for p, x in zip(self.pairs, pair_arrays, strict=True)) + sum(
             2 * x.dtype.itemsize * x[0, 0].size for x in self._vector_arrays)
 
-    def relative_term(self, cfg: KernelConfig, refs: Sequence[Any], tables: Sequence[Any],
-                      hi: Any, name: str, row0: Any, col0: Any, tile: tuple[int, int],
-                      groups: int, group: int | None = None) -> Array | None:
+    def relative_term(self, cfg: KernelConfig, refs: Sequence[Any], name: str, row0: Any,
+                      col0: Any, tile: tuple[int, int], groups: int,
+                      group: int | None = None) -> Array | None:
         """A `RelativeScoreMod`'s term on the tile (`"relative"`, in the logits' units
         before the cap; `"relative_tangent"`, natural) whose rows start at position
         `row0` and columns at `col0`: `(groups * rows, cols)`, the query heads folded
-        into the rows, or `tile` for one query head `group` (None without one). A window
-        in one run of the vector (`_relative.runs`) is its first entry, not built."""
+        into the rows, or `tile` for one query head `group` (None without one)."""
         if name not in self.vectors:
             return None
         ref = refs[len(self.sides) + len(self.pairs) + self.vectors.index(name)]
@@ -160,34 +159,12 @@ class BlockOperands:
         units = self.bias_units if name == "relative" else 1.0
 
         def one(h: int) -> Array:
-            def build() -> Array:
-                return _relative.toeplitz(_relative.window(ref, h, start, rows + cols),
-                                          rows, cols)
-
-            if "relative_runs" in self.table_names:
-                def constant() -> Array:
-                    first = _relative.window(ref, h, start, _relative.MULTIPLE)[0:1, 0:1]
-                    return jnp.broadcast_to(first, (rows, cols))
-
-                t = jax.lax.cond(self.relative_constant(tables, hi, groups, h, start,
-                                                        rows + cols, where.length),
-                                 constant, build)
-            else:
-                t = build()
+            t = _relative.toeplitz(_relative.window(ref, h, start, rows + cols), rows, cols)
             return t if units == 1.0 else t * jnp.float32(units)
 
         if group is not None:
             return one(group)
         return fold_heads([one(h) for h in range(groups)])
-
-    def relative_constant(self, tables: Sequence[Any], hi: Any, groups: int, group: int,
-                          start: Any, width: int, length: int) -> Any:
-        """Whether the window of `width` entries from `start` lies in one run (False
-        without the table)."""
-        if "relative_runs" not in self.table_names:
-            return False
-        return _relative.constant_window(self.table(tables, "relative_runs"), hi, groups,
-                                         group, start, width, length)
 
     def has(self, name: str) -> bool:
         return any(p.name == name for p in self.pairs)
@@ -535,9 +512,6 @@ def prepare(cfg: KernelConfig, ops: Operands, heads: tuple[int, ...], v: Array |
         ("pair_mask", ops.pair_mask), ("bias", ops.bias),
         ("bias_tangent", None if d_ops is None else d_ops.bias)) if x is not None]
     vectors = _relative.vectors(cfg, ops, heads, transposed, d_ops)
-    runs = _relative.runs(cfg, ops, heads, transposed)
-    if runs is not None:
-        tables["relative_runs"] = runs
     masks_data = (bool(parts) or ops.has_lengths or ops.pair_mask is not None
                   or _has_mask_mod(cfg))
     # (A split mod's values after it: a score_mod's mask no pair.)

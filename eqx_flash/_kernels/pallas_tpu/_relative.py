@@ -40,8 +40,6 @@ _SUBLANES = 8
 # A kernel holds a kv head's vectors whole in VMEM (double-buffered): past this, longer
 # sequences run on the pure-JAX kernels (`family.covers`).
 MAX_VECTOR_BYTES = 32 * 2**20
-# The entries of the SMEM table of constant runs (`runs`); past it, every tile is built.
-MAX_RUN_ENTRIES = 2**15
 
 
 def vector_bytes(cfg: KernelConfig, groups: int) -> int:
@@ -121,53 +119,6 @@ def vectors(cfg: KernelConfig, ops: Operands, heads: tuple[int, ...], transposed
         return {"relative": values(ops.score_mod_arrays)}
     value, tangent = jax.jvp(values, (ops.score_mod_arrays,), (d_ops.score_mod_arrays,))
     return {"relative": value, "relative_tangent": tangent}
-
-
-def runs(cfg: KernelConfig, ops: Operands, heads: tuple[int, ...], transposed: bool
-         ) -> Array | None:
-    """For every query head and every vreg-aligned start of its vector, how many entries
-    from there hold the same term: `(kv heads * g * length / 128,)` int32, the kernels'
-    SMEM table "relative_runs" (None without a `RelativeScoreMod`, or past
-    `MAX_RUN_ENTRIES`). A tile whose window lies in one run adds a constant
-    (`constant_window`): T5's buckets past `max_distance`, a clipped table's ends.
-
-    Entries are the same where the values are equal and so are their derivatives in
-    the module's arrays: a tile's gradient then goes to any entry of its window. The
-    derivatives are compared along one fixed random direction (exact for lookups:
-    entries read from different places of an array differ there)."""
-    if not module_type(cfg):
-        return None
-    where = Vector.of(cfg, transposed)
-    _, h, g = heads
-    if h * g * (where.length // MULTIPLE) > MAX_RUN_ENTRIES:
-        return None
-    free, frozen = eqx.partition(ops.score_mod_arrays, eqx.is_inexact_array)
-
-    def values(free: Any) -> Array:
-        module = _module(cfg, eqx.combine(free, frozen), ops.score_mod_consts)
-        return _values(cfg, module, h, g, where)[0, :, :, 0].reshape(h * g, where.length)
-
-    leaves, tree = jax.tree.flatten(free)
-    direction = jax.tree.unflatten(tree, [
-        jax.random.normal(jax.random.key(i), x.shape, jnp.float32).astype(x.dtype)
-        for i, x in enumerate(leaves)])
-    value, slope = jax.jvp(values, (free,), (direction,))
-    same = (value[:, 1:] == value[:, :-1]) & (slope[:, 1:] == slope[:, :-1])
-    # new[t - 1]: entry t starts a run; ends[s] the first start after s.
-    new = jnp.where(same, where.length, jnp.arange(1, where.length, dtype=jnp.int32))
-    ends = jax.lax.cummin(new, axis=1, reverse=True)
-    ends = jnp.concatenate([ends, jnp.full((h * g, 1), where.length, jnp.int32)], axis=1)
-    lengths = ends - jnp.arange(where.length, dtype=jnp.int32)[None, :]
-    return lengths[:, ::MULTIPLE].reshape(-1)
-
-
-def constant_window(tables: Any, hi: Any, groups: int, group: int, start: Any,
-                    width: int, length: int) -> Any:
-    """Whether query head `group` of kv head `hi` holds one term on the window of
-    `width` entries from `start` (`runs`; `tables` its table)."""
-    # (start >= 0: truncating division, which Mosaic lowers on scalars)
-    index = (hi * groups + group) * (length // MULTIPLE) + jax.lax.div(start, MULTIPLE)
-    return tables[index] >= width
 
 
 def arrays_cotangent(cfg: KernelConfig, ops: Operands, wanted: Any, windows: Array,

@@ -273,34 +273,6 @@ def _dkv_call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units,
         interpret=interpret)(q, k, v, d_out, *rows)
 
 
-def _window_cotangent(cfg: KernelConfig, operands: BlockOperands, d_window_ref: Any,
-                      tables: Any, hi: Any,
-                      groups: int, group: int, ds: Array, row0: Any, col0: Any,
-                      at: int) -> None:
-    """Adds the cotangent of a tile's window of the relative vector, `at` into the
-    step's: each diagonal's sum of `ds`; on a window in one run (whose entries share
-    their derivatives), the column sums at the window's diagonal, not spread."""
-    rows, cols = ds.shape
-    where = _relative.Vector.of(cfg, operands.transposed)
-    start = where.start(row0, col0, rows)
-    constant = operands.relative_constant(tables, hi, groups, group, start, rows + cols,
-                                          where.length)
-
-    def spread():
-        d_window_ref[group, :, at:at + rows + cols] += _relative.toeplitz_adjoint(ds)
-
-    if constant is False:
-        spread()
-        return
-
-    @pl.when(constant)
-    def _summed():
-        d_window_ref[group, :, at + rows:at + rows + cols] += jnp.sum(ds, axis=0,
-                                                                      keepdims=True)
-
-    pl.when(jnp.logical_not(constant))(spread)
-
-
 def _dkv_kernel(outer_ref, inner_ref, code_ref, *refs, cfg: KernelConfig,
                 operands: BlockOperands, u: Units, chunk: int, layout: Layout, listed: bool,
                 fused: bool, slopes: bool, relative: bool, mod_values: tuple[int, ...]):
@@ -368,8 +340,7 @@ def _dkv_kernel(outer_ref, inner_ref, code_ref, *refs, cfg: KernelConfig,
                                                           group, queries=queries))
                 q_start = qb * bq + c * chunk
                 term = add_terms(term, operands.relative_term(
-                    cfg, operand_refs, tables, hi, "relative", j * bk, q_start, (bk, chunk), g,
-                    group))
+                    cfg, operand_refs, "relative", j * bk, q_start, (bk, chunk), g, group))
                 indices = operands.global_indices(operand_refs, group, queries=queries)
                 tile_mods = operands.tile_mods(operand_refs, queries=queries)
                 mod = score_mod(cfg, u, bi=bi, hi=hi, groups=g, q_start=q_start,
@@ -413,8 +384,8 @@ def _dkv_kernel(outer_ref, inner_ref, code_ref, *refs, cfg: KernelConfig,
                     assert distance is not None
                     ds_distance_ref[group] += jnp.sum(ds * distance, axis=0, keepdims=True)
                 if d_window_ref is not None:  # its tile's window, `c * chunk` into the step's
-                    _window_cotangent(cfg, operands, d_window_ref, tables, hi, g, group, ds,
-                                      j * bk, q_start, c * chunk)
+                    d_window_ref[group, :, c * chunk:c * chunk + bk + chunk] += (
+                        _relative.toeplitz_adjoint(ds))
                 dk = dk + dot(ds.astype(q.dtype), q, NN, stat)
                 if fused:
                     rows = pl.ds(qb * bq + c * chunk, chunk)
@@ -540,8 +511,8 @@ def _dq_kernel(outer_ref, inner_ref, code_ref, *refs, cfg: KernelConfig,
             term = per_head_term(operands.alibi_coefficients(
                 tables, bi, hi, pl.num_programs(1), g), distance)
         term = add_terms(term, operands.pair_term(operand_refs, "bias", (g, bq, bk)))
-        term = add_terms(term, operands.relative_term(cfg, operand_refs, tables, hi,
-                                                      "relative", i * bq, kb * bk, (bq, bk), g))
+        term = add_terms(term, operands.relative_term(cfg, operand_refs, "relative", i * bq,
+                                                      kb * bk, (bq, bk), g))
         indices = operands.global_indices(operand_refs)
         tile_mods = operands.tile_mods(operand_refs)
         mod = score_mod(cfg, u, bi=bi, hi=hi, groups=g, q_start=i * bq, k_start=kb * bk,

@@ -205,8 +205,8 @@ def _tile(*, r0: int, n: int, keys, k_start, band: bool | Array, cfg: KernelConf
     term = add_terms(term, operands.pair_term(operand_refs, "bias", (g, n, chunk), keys=keys,
                                               queries=None if whole_rows else rows))
     q_start = q_block_start + r0
-    term = add_terms(term, operands.relative_term(cfg, operand_refs, tables, hi, "relative",
-                                                  q_start, k_start, (n, chunk), g))
+    term = add_terms(term, operands.relative_term(cfg, operand_refs, "relative", q_start,
+                                                  k_start, (n, chunk), g))
     indices = operands.global_indices(operand_refs, keys=keys,
                                       queries=None if whole_rows else rows)
     tile_mods = operands.tile_mods(operand_refs, keys=keys,

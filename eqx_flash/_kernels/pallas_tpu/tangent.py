@@ -159,7 +159,7 @@ def _kernel(outer_ref, inner_ref, code_ref, *refs, cfg: KernelConfig,
                 operand_refs, "bias", (g, bq, chunk), keys=keys))
             k_start = kb * bk + c * chunk
             score_term = add_terms(score_term, operands.relative_term(
-                cfg, operand_refs, tables, hi, "relative", i * bq, k_start, (bq, chunk), g))
+                cfg, operand_refs, "relative", i * bq, k_start, (bq, chunk), g))
             indices = operands.global_indices(operand_refs, keys=keys)
             tile_mods = operands.tile_mods(operand_refs, keys=keys)
             along = tile_mods is not None and tile_mods.tangents
@@ -183,8 +183,7 @@ def _kernel(outer_ref, inner_ref, code_ref, *refs, cfg: KernelConfig,
             ds = add_terms(ds, operands.pair_term(operand_refs, "bias_tangent",
                                                   (g, bq, chunk), keys=keys))
             ds = add_terms(ds, operands.relative_term(
-                cfg, operand_refs, tables, hi, "relative_tangent", i * bq, k_start, (bq, chunk),
-                g))
+                cfg, operand_refs, "relative_tangent", i * bq, k_start, (bq, chunk), g))
             if ds is not None and slope is not None:
                 ds = ds * slope
             ds = add_terms(ds, mod_tangent)
