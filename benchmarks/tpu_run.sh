@@ -7,10 +7,11 @@
 #
 # Run from anywhere (it works from the project root). Needs the wheels in .whl-tpu/ (the
 # project's tpu-wheels tool builds them from the working tree; rerun it after changing
-# eqx_flash/) and writes its logs to $OUT (default ./tpu-out), at most 7 files:
+# eqx_flash/) and writes its logs to $OUT (default ./tpu-out), at most 8 files:
 #   summary.txt  each step's command, exit status and seconds
 #   main.txt     python -m eqx_flash
 #   tests.txt    pytest -m accelerator, compiled, in one process
+#   test_times.txt  each test's seconds as it finishes (tests/conftest.py), timeouts too
 #   bench.txt, bench.json, bench.md   benchmarks/bench_device.py
 #
 # Environment:
@@ -79,6 +80,7 @@ for s in $STEPS; do
             # shellcheck disable=SC2086
             step tests "${TESTS_SECONDS:-240}" "$OUT/tests.txt" \
                 env EQX_FLASH_TEST_OLD_EMITTERS=0 EQX_FLASH_TEST_SERIAL_CODEGEN=0 \
+                EQX_FLASH_TEST_TIMES="$OUT/test_times.txt" \
                 EQX_FLASH_TEST_FAST_COMPILE="${EQX_FLASH_TEST_FAST_COMPILE:-1}" \
                 "$PYTHON" -m pytest -o addopts="" -p no:cacheprovider -q -rs -m accelerator \
                 --jaxtyping-packages=eqx_flash,beartype.beartype --durations=15 \

@@ -94,3 +94,20 @@ def _release_compiled_programs():
     fails inside the next compilation and the worker aborts (SIGABRT, no message)."""
     yield
     jax.clear_caches()
+
+
+# EQX_FLASH_TEST_TIMES=<file>: each test's outcome and seconds (setup and call) appended as
+# it finishes, so a run cut off by a timeout (an accelerator session's) still says which
+# tests took the time.
+_TIMES = os.environ.get("EQX_FLASH_TEST_TIMES")
+_elapsed: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    if not _TIMES or report.when == "teardown":
+        return
+    _elapsed[report.nodeid] = _elapsed.get(report.nodeid, 0.0) + report.duration
+    if report.when == "call" or report.outcome != "passed":
+        with open(_TIMES, "a") as out:
+            out.write(f"{_elapsed.pop(report.nodeid):7.1f} s  {report.outcome:7}  "
+                      f"{report.nodeid}\n")
