@@ -31,7 +31,7 @@ import eqx_flash
 from eqx_flash import flash_attention, plain_attention
 from eqx_flash._core.config import KernelConfig
 from eqx_flash._core.options import Window
-from eqx_flash._kernels.pallas_tpu import _plan
+from eqx_flash._kernels.pallas_tpu import _plan, _relative
 from eqx_flash._kernels.pallas_tpu._plan import FIRST, FLAG, LAST, backward_plan, forward_plan
 from eqx_flash._kernels.schedule import static_flags
 from eqx_flash._mods.block_mask import EMPTY, FULL, PARTIAL, KnownSummary
@@ -239,24 +239,27 @@ def test_score_and_mask_mods_against_reference():
 @pytest.mark.parametrize("rows, cols", [
     (128, 128), pytest.param(256, 384, marks=ACCELERATOR), (384, 128)])
 def test_toeplitz_term_and_its_adjoint(rows, cols):
-    """The relative term's tile `T[r, c] = w[c - r + rows]`, built in a kernel, and its
-    adjoint (each diagonal's sum of a cotangent) against index arithmetic."""
-    from eqx_flash._kernels.pallas_tpu import _relative
-
+    """The relative term's tile `T[r, c] = w[c - r + rows]`, built in a kernel from
+    rotations and read from the window's diagonals, and its adjoint (each diagonal's sum
+    of a cotangent) against index arithmetic."""
     width = rows + cols
     w = jnp.broadcast_to(jax.random.normal(jax.random.key(1), (1, width)), (8, width))
     ds = jax.random.normal(jax.random.key(2), (rows, cols))
 
-    def kernel(w_ref, ds_ref, t_ref, dw_ref):
+    def kernel(w_ref, f_ref, ds_ref, t_ref, read_ref, dw_ref):
         t_ref[...] = _relative.toeplitz(w_ref[...], rows, cols)
+        read_ref[...] = _relative.from_diagonals(f_ref, 0, 0, rows, cols)
         dw_ref[...] = jnp.broadcast_to(_relative.toeplitz_adjoint(ds_ref[...]), (8, width))
 
-    t, dw = pl.pallas_call(
+    t, read, dw = pl.pallas_call(
         kernel, interpret=jax.default_backend() != "tpu",
         out_shape=(jax.ShapeDtypeStruct((rows, cols), jnp.float32),
-                   jax.ShapeDtypeStruct((8, width), jnp.float32)))(w, ds)
+                   jax.ShapeDtypeStruct((rows, cols), jnp.float32),
+                   jax.ShapeDtypeStruct((8, width), jnp.float32)))(
+        w, _relative.diagonals(w[None]), ds)
     index = jnp.arange(cols)[None, :] - jnp.arange(rows)[:, None] + rows
     np.testing.assert_array_equal(t, w[0][index])
+    np.testing.assert_array_equal(read, w[0][index])
     expected = jnp.zeros(width).at[index].add(ds)
     np.testing.assert_allclose(dw[0], expected, rtol=1e-5, atol=1e-5)
 
@@ -273,6 +276,7 @@ class _Clipped(eqx_flash.RelativeScoreMod):
 RELATIVE = {
     "T5 buckets": dict(),
     "T5 buckets, causal softcap": dict(causal=True, softcap=3.0),
+    "T5 buckets, built from rotations": dict(causal=True, rotations=True),
     "clipped table, window": dict(window=(60, 20), module="clipped"),
     "clipped table, beside a bias": dict(bias=(200, 1), module="clipped"),
     # Most tiles' windows lie past max_distance (long constant stretches of the vector).
@@ -282,12 +286,14 @@ RELATIVE = {
 
 @pytest.mark.parametrize("name", _marked(RELATIVE, {"T5 buckets, causal softcap",
                                                     "T5 buckets, long sequences"}))
-def test_relative_score_mods_against_reference(name):
+def test_relative_score_mods_against_reference(name, monkeypatch):
     """A `RelativeScoreMod` built in the kernels as a Toeplitz term of its bias vector:
     values, lse, the gradients of q, k, v and of its table (the dk/dv kernel's window
     cotangents), and a jvp along q and the table, against `plain_attention` calling the
     module per pair (GQA 4/2; 200 queries on 300 keys)."""
     case = dict(RELATIVE[name])
+    if case.pop("rotations", False):  # past the diagonals' VMEM budget
+        monkeypatch.setattr(_relative, "MAX_DIAGONAL_BYTES", 0)
     q, k, v = qkv(31, *case.pop("shapes", ((2, 4, 200, 32), (2, 2, 300, 32))))
     if case.pop("module", None) == "clipped":
         module: eqx.Module = _Clipped(jax.random.normal(jax.random.key(32), (17, 4)))

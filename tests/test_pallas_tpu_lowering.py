@@ -13,6 +13,7 @@ import pytest
 from helpers import capped_distance, sliding_prefix
 
 from eqx_flash import RelativePositionBias, flash_attention
+from eqx_flash._kernels.pallas_tpu import _relative
 
 PALLAS = dict(kernels="pallas_tpu")
 BLOCKS = dict(block_q=64, block_k=128)
@@ -177,13 +178,17 @@ def test_mods_on_the_ring_lower_to_mosaic_kernels():
     assert exported.mlir_module().count("tpu_custom_call") == 6
 
 
-@pytest.mark.parametrize("blocks", [BLOCKS, {}], ids=["blocks 64x128", "default blocks"])
-def test_relative_score_mods_lower_to_mosaic_kernels(blocks):
+@pytest.mark.parametrize("blocks, diagonals", [(BLOCKS, True), ({}, True), (BLOCKS, False)],
+                         ids=["blocks 64x128", "default blocks", "built from rotations"])
+def test_relative_score_mods_lower_to_mosaic_kernels(blocks, diagonals, monkeypatch):
     """A `RelativeScoreMod` (T5's buckets: a table lookup) runs in the kernels as a
-    Toeplitz term built from lane rotations: its table's gradient exports to exactly the
-    two Mosaic kernels of a plain gradient (the window cotangents come out of the fused
-    backward), a jvp along q and the table to one; GQA, float32 and bfloat16, causal
-    with a soft cap, and beside a bias (then the dq kernel runs too)."""
+    Toeplitz term read from its vector's diagonals (or, past their VMEM budget, built
+    from lane rotations): its table's gradient exports to exactly the two Mosaic kernels
+    of a plain gradient (the window cotangents come out of the fused backward), a jvp
+    along q and the table to one; GQA, float32 and bfloat16, causal with a soft cap, and
+    beside a bias (then the dq kernel runs too)."""
+    if not diagonals:
+        monkeypatch.setattr(_relative, "MAX_DIAGONAL_BYTES", 0)
     relative = RelativePositionBias(4, key=jax.random.PRNGKey(0))
     for dtype in (jnp.float32, jnp.bfloat16):
         q = jax.ShapeDtypeStruct((2, 4, 160, 64), dtype)

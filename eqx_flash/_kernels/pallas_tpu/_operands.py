@@ -112,7 +112,8 @@ class BlockOperands:
     pairs: tuple[_Pairs, ...] = ()
     bias_units: float = 1.0  # the bias in the logits' units before the cap
     # A `RelativeScoreMod`'s vectors (`_relative`), after the pairs' arrays: "relative"
-    # and, in the tangent kernel, "relative_tangent"; `(1, kv heads, g, 8, length)`.
+    # and, in the tangent kernel, "relative_tangent"; `(1, kv heads, g, 8, length)`, or
+    # their diagonals `(1, kv heads, g, 128, length)` where those fit.
     vectors: tuple[str, ...] = ()
     # The `score_mod` and `mask_mod` that read arrays, split (`_split_mods`): their
     # boundary values are sides named after them (None: the mod reads none, or is absent).
@@ -133,6 +134,14 @@ class BlockOperands:
     @property
     def _vector_arrays(self) -> tuple[Array, ...]:
         return self.block_arrays[len(self.block_arrays) - len(self.vectors):]
+
+    @property
+    def relative_diagonals(self) -> bool:
+        """Whether the relative vector comes as its 128 diagonals (`_relative.diagonals`)."""
+        if "relative" not in self.vectors:
+            return False
+        vector = self._vector_arrays[self.vectors.index("relative")]
+        return vector.shape[-2] == _relative.MULTIPLE
 
     def vmem_bytes(self, block_q: int, block_k: int) -> int:
         """The double-buffered VMEM of the per-pair blocks and the vectors (the one-sided
@@ -159,7 +168,7 @@ class BlockOperands:
         units = self.bias_units if name == "relative" else 1.0
 
         def one(h: int) -> Array:
-            t = _relative.toeplitz(_relative.window(ref, h, start, rows + cols), rows, cols)
+            t = _relative.term(ref, h, start, rows, cols)
             return t if units == 1.0 else t * jnp.float32(units)
 
         if group is not None:

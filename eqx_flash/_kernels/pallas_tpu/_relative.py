@@ -1,22 +1,27 @@
 """A `RelativeScoreMod` in the Pallas kernels: `score + bias(head, kv_idx - q_idx)` as a
-Toeplitz term built in the kernel from one vector per query head.
+Toeplitz term per tile, read from one vector per query head.
 
 The bias depends on the key-minus-query offset alone, so it is evaluated once per call,
 by plain JAX outside the kernels (`vectors`: table lookups and all), on every offset
 the padded sequences have. A tile whose rows start at position `row0` and whose columns
 start at `col0` then needs the window of `rows + cols` offsets that starts at `col0 -
 row0 - rows`, and its term is the Toeplitz matrix `T[r, c] = w[c - r + rows]` of that
-window (`toeplitz`). Rows are queries in the forward, dq and tangent kernels (columns
-minus rows is `kv_idx - q_idx`) and keys in the dk/dv kernel, which reads the vector of
-the negated offsets (`Vector.sign`), so both build the same way.
+window. Rows are queries in the forward, dq and tangent kernels (columns minus rows is
+`kv_idx - q_idx`) and keys in the dk/dv kernel, which reads the vector of the negated
+offsets (`Vector.sign`), so both build the same way.
 
-The build uses only lane rotations by static amounts (which Mosaic lowers on whole
-`(8, 128)` tiles): eight rows of the window each rotated by its row, 16 such groups
-rotated by 8 more each make 128 rows, and each further 128 rows are the same rotated by
-a whole vreg. Its adjoint (`toeplitz_adjoint`, the dk/dv kernel's gradient of the
-window: the cotangent summed along the tile's diagonals) undoes the same rotations in
-reverse. Every tile dimension is a multiple of 128 (`MULTIPLE`: the family pads the
-query blocks up to one), so every window starts on a whole vreg.
+Where they fit in VMEM (`MAX_DIAGONAL_BYTES`), the kernels get the vector's 128
+diagonals, `F[r, y] = v[y - r]` (`diagonals`, built outside): rows `128 a + r` of a tile
+are then `F[r, start + rows - 128 a + c]`, a load at a whole-vreg lane offset
+(`from_diagonals`), with no rotation in the kernel. Past that, they get the vector on
+eight sublanes and build the term from lane rotations by static amounts (`toeplitz`:
+eight rows of the window each rotated by its row, 16 such groups rotated by 8 more each
+make `F`'s 128 rows, sliced the same way), about 24 vreg rotations per 128 lanes of the
+window. The adjoint (`toeplitz_adjoint`, the dk/dv kernel's gradient of the window: the
+cotangent summed along the tile's diagonals) adds each 128 rows of the cotangent at its
+lane offset and undoes the rotations. Every tile dimension is a multiple of 128
+(`MULTIPLE`: the family pads the query blocks up to one), so every window starts on a
+whole vreg.
 """
 
 import dataclasses
@@ -40,12 +45,20 @@ _SUBLANES = 8
 # A kernel holds a kv head's vectors whole in VMEM (double-buffered): past this, longer
 # sequences run on the pure-JAX kernels (`family.covers`).
 MAX_VECTOR_BYTES = 32 * 2**20
+# A kernel's vectors as their 128 diagonals (`diagonals`) up to this much VMEM
+# (double-buffered, all of a kernel's vectors together); past it, on eight sublanes.
+MAX_DIAGONAL_BYTES = 32 * 2**20
 
 
 def vector_bytes(cfg: KernelConfig, groups: int) -> int:
     """The VMEM one kernel's vector takes, double-buffered."""
     seq_q, seq_k = cfg.padded_seq
     return 2 * 4 * groups * _SUBLANES * (seq_q + seq_k)
+
+
+def diagonal_bytes(cfg: KernelConfig, groups: int, count: int) -> int:
+    """The VMEM `count` vectors take as diagonals, double-buffered."""
+    return vector_bytes(cfg, groups) * (MULTIPLE // _SUBLANES) * count
 
 
 def module_type(cfg: KernelConfig) -> bool:
@@ -116,30 +129,53 @@ def vectors(cfg: KernelConfig, ops: Operands, heads: tuple[int, ...], transposed
         return _values(cfg, _module(cfg, arrays, ops.score_mod_consts), h, g, where)
 
     if d_ops is None or d_ops.score_mod_arrays is None:
-        return {"relative": values(ops.score_mod_arrays)}
-    value, tangent = jax.jvp(values, (ops.score_mod_arrays,), (d_ops.score_mod_arrays,))
-    return {"relative": value, "relative_tangent": tangent}
+        named = {"relative": values(ops.score_mod_arrays)}
+    else:
+        value, tangent = jax.jvp(values, (ops.score_mod_arrays,), (d_ops.score_mod_arrays,))
+        named = {"relative": value, "relative_tangent": tangent}
+    if diagonal_bytes(cfg, g, len(named)) <= MAX_DIAGONAL_BYTES:
+        named = {name: diagonals(x) for name, x in named.items()}
+    return named
 
 
-def arrays_cotangent(cfg: KernelConfig, ops: Operands, wanted: Any, windows: Array,
-                     starts: Array) -> Any:
-    """The cotangent of the module's arrays marked in `wanted` (None elsewhere, as the
-    xla family returns them) from the dk/dv kernel's per-step window cotangents
-    `windows` `(b, h, steps, g, 1, width)`, each starting at `starts` `(b|1, h|1,
-    steps)` of the transposed kernels' vector."""
-    where = Vector.of(cfg, transposed=True)
+def diagonals(vectors: Array) -> Array:
+    """`(..., 128, length)`: row `r` of each vector `(..., 8, length)` (its eight rows
+    equal) rotated by `r`, `F[r, y] = v[y - r]` (wrapping where `y < r`, never read)."""
+    length = vectors.shape[-1]
+    index = (jnp.arange(length)[None, :] - jnp.arange(MULTIPLE)[:, None]) % length
+    return vectors[..., 0, :][..., index]
+
+
+def _scattered(windows: Array, starts: Array, length: int) -> Array:
+    """`(h * g, length)`: per-step windows `(b, h, steps, g, 1, width)` added at their
+    `starts`. Every window starts on a whole vreg: scattered 128 entries per index (an
+    XLA scatter of single entries runs one update at a time on a TPU)."""
     b, h, steps, g, _, width = windows.shape
-    # Every window starts on a whole vreg: scattered 128 entries per index (an XLA
-    # scatter of single entries runs one update at a time on a TPU).
     n = width // MULTIPLE
     first = jnp.broadcast_to(starts, (b, h, steps)) // MULTIPLE
     chunk = first[:, :, :, None, None] + jnp.arange(n, dtype=jnp.int32)[None, None, None, None]
     heads = (jnp.arange(h)[:, None] * g + jnp.arange(g)[None, :])  # (h, g)
     shape = (b, h, steps, g, n)
-    d_vector = jnp.zeros((h * g, where.length // MULTIPLE, MULTIPLE), jnp.float32).at[
+    d_vector = jnp.zeros((h * g, length // MULTIPLE, MULTIPLE), jnp.float32).at[
         jnp.broadcast_to(heads[None, :, None, :, None], shape),
         jnp.broadcast_to(chunk, shape)].add(windows.reshape(*shape, MULTIPLE))
-    d_vector = d_vector.reshape(h * g, where.length)
+    return d_vector.reshape(h * g, length)
+
+
+def arrays_cotangent(cfg: KernelConfig, ops: Operands, wanted: Any, windows: Array,
+                     starts: Array | None) -> Any:
+    """The cotangent of the module's arrays marked in `wanted` (None elsewhere, as the
+    xla family returns them) from the dk/dv kernel's cotangents of the transposed
+    kernels' vector: per step, `windows` `(b, h, steps, g, 1, width)` each starting at
+    `starts` `(b|1, h|1, steps)`; or, with `starts` None, per head `(b, h, g, 1,
+    length)` (`add_to_diagonals`, `sum_diagonals`)."""
+    where = Vector.of(cfg, transposed=True)
+    if starts is None:
+        _, h, g, _, _ = windows.shape
+        d_vector = jnp.sum(windows, axis=0).reshape(h * g, where.length)
+    else:
+        _, h, _, g, _, _ = windows.shape
+        d_vector = _scattered(windows, starts, where.length)
     free, frozen = eqx.partition(ops.score_mod_arrays, wanted)
 
     def values(free: Any) -> Array:
@@ -154,6 +190,48 @@ def window(ref: Any, group: int, start: Any, width: int) -> Array:
     """`width` entries of query head `group`'s vector from `start` (a multiple of
     `MULTIPLE`), `(8, width)`."""
     return ref[group, :, pl.ds(pl.multiple_of(start, MULTIPLE), width)]
+
+
+def term(ref: Any, group: int, start: Any, rows: int, cols: int) -> Array:
+    """The Toeplitz term `(rows, cols)` of query head `group`'s window from `start`: read
+    from its diagonals where `ref` holds them (`(g, 128, length)`), else built."""
+    if ref.shape[-2] == MULTIPLE:
+        return from_diagonals(ref, group, start, rows, cols)
+    return toeplitz(window(ref, group, start, rows + cols), rows, cols)
+
+
+def from_diagonals(ref: Any, group: int, start: Any, rows: int, cols: int) -> Array:
+    """`T[128 a + r, c] = F[r, start + rows - 128 a + c]` (`diagonals`): a load per 128
+    rows at a whole-vreg lane offset."""
+    assert rows % MULTIPLE == 0, rows
+    return jnp.concatenate([
+        ref[group, :, pl.ds(pl.multiple_of(start + rows - MULTIPLE * a, MULTIPLE), cols)]
+        for a in range(rows // MULTIPLE)], axis=0)
+
+
+def add_to_diagonals(acc_ref: Any, group: int, start: Any, ds: Array) -> None:
+    """`from_diagonals`' adjoint: the tile's cotangent `ds` `(rows, cols)` added into the
+    diagonals' cotangent `acc_ref` `(g, 128, length)`, each 128 rows at their lane
+    offset (no rotation; `sum_diagonals` takes the sum to the vector once per head)."""
+    rows, cols = ds.shape
+    for a in range(rows // MULTIPLE):
+        lanes = pl.ds(pl.multiple_of(start + rows - MULTIPLE * a, MULTIPLE), cols)
+        acc_ref[group, :, lanes] += ds[MULTIPLE * a:MULTIPLE * (a + 1)]
+
+
+def sum_diagonals(acc_ref: Any, group: int) -> Array:
+    """The vector's cotangent `(1, length)` from its diagonals' `acc_ref[group]`
+    (`F[r, y] = v[y - r]`, so `dv[x] = sum_r dF[r, x + r]`)."""
+    eight = _total([_roll(acc_ref[group, i * _SUBLANES:(i + 1) * _SUBLANES, :],
+                          -_SUBLANES * i) for i in range(MULTIPLE // _SUBLANES)])
+    return _undo_eight(eight)
+
+
+def _undo_eight(eight: Array) -> Array:
+    """`sum_s eight[s, x + s]`, `(1, width)`: the last of the diagonals' rotations undone."""
+    shifted = _total([_roll(jnp.where(_row_is(eight.shape, s), eight, 0.0), -s)
+                      for s in range(_SUBLANES)])
+    return jnp.sum(shifted, axis=0, keepdims=True)
 
 
 def _roll(x: Array, shift: int) -> Array:
@@ -208,6 +286,4 @@ def toeplitz_adjoint(ds: Array) -> Array:
     summed = jnp.concatenate(tiles, axis=1)  # summed[r, y]: F's cotangent
     eight = _total([_roll(summed[i * _SUBLANES:(i + 1) * _SUBLANES], -_SUBLANES * i)
                     for i in range(MULTIPLE // _SUBLANES)])
-    shifted = _total([_roll(jnp.where(_row_is(eight.shape, s), eight, 0.0), -s)
-                      for s in range(_SUBLANES)])
-    return jnp.sum(shifted, axis=0, keepdims=True)
+    return _undo_eight(eight)
