@@ -26,6 +26,7 @@ from helpers import (
 )
 from hypothesis import given
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 import eqx_flash
 from eqx_flash import flash_attention, plain_attention
@@ -246,16 +247,19 @@ def test_toeplitz_term_and_its_adjoint(rows, cols):
     w = jnp.broadcast_to(jax.random.normal(jax.random.key(1), (1, width)), (8, width))
     ds = jax.random.normal(jax.random.key(2), (rows, cols))
 
-    def kernel(w_ref, f_ref, ds_ref, t_ref, read_ref, dw_ref):
+    def kernel(w_ref, f_ref, ds_ref, t_ref, read_ref, dw_ref, acc_ref):
         t_ref[...] = _relative.toeplitz(w_ref[...], rows, cols)
         read_ref[...] = _relative.from_diagonals(f_ref, 0, 0, rows, cols)
-        dw_ref[...] = jnp.broadcast_to(_relative.toeplitz_adjoint(ds_ref[...]), (8, width))
+        acc_ref[...] = jnp.zeros(acc_ref.shape, acc_ref.dtype)
+        _relative.add_to_diagonals(acc_ref, 0, 0, ds_ref[...])
+        dw_ref[...] = jnp.broadcast_to(_relative.sum_diagonals(acc_ref, 0), (8, width))
 
     t, read, dw = pl.pallas_call(
         kernel, interpret=jax.default_backend() != "tpu",
         out_shape=(jax.ShapeDtypeStruct((rows, cols), jnp.float32),
                    jax.ShapeDtypeStruct((rows, cols), jnp.float32),
-                   jax.ShapeDtypeStruct((8, width), jnp.float32)))(
+                   jax.ShapeDtypeStruct((8, width), jnp.float32)),
+        scratch_shapes=[pltpu.VMEM((1, 128, width), jnp.float32)])(
         w, _relative.diagonals(w[None]), ds)
     index = jnp.arange(cols)[None, :] - jnp.arange(rows)[:, None] + rows
     np.testing.assert_array_equal(t, w[0][index])

@@ -135,14 +135,6 @@ class BlockOperands:
     def _vector_arrays(self) -> tuple[Array, ...]:
         return self.block_arrays[len(self.block_arrays) - len(self.vectors):]
 
-    @property
-    def relative_diagonals(self) -> bool:
-        """Whether the relative vector comes as its 128 diagonals (`_relative.diagonals`)."""
-        if "relative" not in self.vectors:
-            return False
-        vector = self._vector_arrays[self.vectors.index("relative")]
-        return vector.shape[-2] == _relative.MULTIPLE
-
     def vmem_bytes(self, block_q: int, block_k: int) -> int:
         """The double-buffered VMEM of the per-pair blocks and the vectors (the one-sided
         blocks are small)."""

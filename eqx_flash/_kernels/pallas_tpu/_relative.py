@@ -17,11 +17,13 @@ are then `F[r, start + rows - 128 a + c]`, a load at a whole-vreg lane offset
 eight sublanes and build the term from lane rotations by static amounts (`toeplitz`:
 eight rows of the window each rotated by its row, 16 such groups rotated by 8 more each
 make `F`'s 128 rows, sliced the same way), about 24 vreg rotations per 128 lanes of the
-window. The adjoint (`toeplitz_adjoint`, the dk/dv kernel's gradient of the window: the
-cotangent summed along the tile's diagonals) adds each 128 rows of the cotangent at its
-lane offset and undoes the rotations. Every tile dimension is a multiple of 128
-(`MULTIPLE`: the family pads the query blocks up to one), so every window starts on a
-whole vreg.
+window. The adjoint, the dk/dv kernel's gradient of the vector, goes the same way back:
+each tile adds its cotangent into the diagonals' cotangent of its step's window
+(`add_to_diagonals`, static lane offsets, no rotation), and once per step that is summed
+along the diagonals (`sum_diagonals`: the rotations undone) into the step's window
+cotangent; one scatter outside adds the windows into the vector's cotangent. Every
+tile dimension is a multiple of 128 (`MULTIPLE`: the family pads the query blocks up to
+one), so every window starts on a whole vreg.
 """
 
 import dataclasses
@@ -163,19 +165,14 @@ def _scattered(windows: Array, starts: Array, length: int) -> Array:
 
 
 def arrays_cotangent(cfg: KernelConfig, ops: Operands, wanted: Any, windows: Array,
-                     starts: Array | None) -> Any:
+                     starts: Array) -> Any:
     """The cotangent of the module's arrays marked in `wanted` (None elsewhere, as the
-    xla family returns them) from the dk/dv kernel's cotangents of the transposed
-    kernels' vector: per step, `windows` `(b, h, steps, g, 1, width)` each starting at
-    `starts` `(b|1, h|1, steps)`; or, with `starts` None, per head `(b, h, g, 1,
-    length)` (`add_to_diagonals`, `sum_diagonals`)."""
+    xla family returns them) from the dk/dv kernel's per-step window cotangents
+    `windows` `(b, h, steps, g, 1, width)`, each starting at `starts` `(b|1, h|1,
+    steps)` of the transposed kernels' vector."""
     where = Vector.of(cfg, transposed=True)
-    if starts is None:
-        _, h, g, _, _ = windows.shape
-        d_vector = jnp.sum(windows, axis=0).reshape(h * g, where.length)
-    else:
-        _, h, _, g, _, _ = windows.shape
-        d_vector = _scattered(windows, starts, where.length)
+    _, h, _, g, _, _ = windows.shape
+    d_vector = _scattered(windows, starts, where.length)
     free, frozen = eqx.partition(ops.score_mod_arrays, wanted)
 
     def values(free: Any) -> Array:
@@ -209,26 +206,24 @@ def from_diagonals(ref: Any, group: int, start: Any, rows: int, cols: int) -> Ar
         for a in range(rows // MULTIPLE)], axis=0)
 
 
-def add_to_diagonals(acc_ref: Any, group: int, start: Any, ds: Array) -> None:
-    """`from_diagonals`' adjoint: the tile's cotangent `ds` `(rows, cols)` added into the
-    diagonals' cotangent `acc_ref` `(g, 128, length)`, each 128 rows at their lane
-    offset (no rotation; `sum_diagonals` takes the sum to the vector once per head)."""
+def add_to_diagonals(acc_ref: Any, group: int, at: int, ds: Array) -> None:
+    """The adjoint of a tile's term (read from the diagonals or built): its cotangent
+    `ds` `(rows, cols)` added into the cotangent of the diagonals of a window starting
+    `at` (static) into `acc_ref` `(g, 128, width)`, each 128 rows at their lane offset:
+    no rotation (`sum_diagonals` takes the sum to the window once per step)."""
     rows, cols = ds.shape
+    assert rows % MULTIPLE == 0 and cols % MULTIPLE == 0, ds.shape
     for a in range(rows // MULTIPLE):
-        lanes = pl.ds(pl.multiple_of(start + rows - MULTIPLE * a, MULTIPLE), cols)
+        lanes = slice(at + rows - MULTIPLE * a, at + rows - MULTIPLE * a + cols)
         acc_ref[group, :, lanes] += ds[MULTIPLE * a:MULTIPLE * (a + 1)]
 
 
 def sum_diagonals(acc_ref: Any, group: int) -> Array:
-    """The vector's cotangent `(1, length)` from its diagonals' `acc_ref[group]`
-    (`F[r, y] = v[y - r]`, so `dv[x] = sum_r dF[r, x + r]`)."""
+    """The window's cotangent `(1, width)` from its diagonals' `acc_ref[group]`
+    (`F[r, y] = w[y - r]`, so `dw[x] = sum_r dF[r, x + r]`; lanes below 128 of `dF`
+    hold nothing, so the rotations' wrap adds nothing)."""
     eight = _total([_roll(acc_ref[group, i * _SUBLANES:(i + 1) * _SUBLANES, :],
                           -_SUBLANES * i) for i in range(MULTIPLE // _SUBLANES)])
-    return _undo_eight(eight)
-
-
-def _undo_eight(eight: Array) -> Array:
-    """`sum_s eight[s, x + s]`, `(1, width)`: the last of the diagonals' rotations undone."""
     shifted = _total([_roll(jnp.where(_row_is(eight.shape, s), eight, 0.0), -s)
                       for s in range(_SUBLANES)])
     return jnp.sum(shifted, axis=0, keepdims=True)
@@ -266,24 +261,3 @@ def toeplitz(w: Array, rows: int, cols: int) -> Array:
     first = _diagonals(w)
     return jnp.concatenate([first[:, rows - MULTIPLE * a:rows - MULTIPLE * a + cols]
                             for a in range(rows // MULTIPLE)], axis=0)
-
-
-def toeplitz_adjoint(ds: Array) -> Array:
-    """The cotangent of `toeplitz`'s window for the cotangent `ds` `(rows, cols)` of its
-    tile: `(1, rows + cols)`, `ds` summed along each diagonal. `toeplitz`'s steps in
-    reverse: each 128 rows of `ds` added into a `(128, rows + cols)` sum at its lane
-    offset (whole vregs, each of `ds` added once), then the diagonals' rotations undone."""
-    rows, cols = ds.shape
-    assert rows % MULTIPLE == 0 and cols % MULTIPLE == 0, ds.shape
-    groups, col_tiles = rows // MULTIPLE, cols // MULTIPLE
-    zero = jnp.zeros((MULTIPLE, MULTIPLE), ds.dtype)
-    tiles = []
-    for j in range((rows + cols) // MULTIPLE):  # lanes [128 j, 128 j + 128) of the sum
-        parts = [ds[MULTIPLE * a:MULTIPLE * (a + 1), MULTIPLE * c:MULTIPLE * (c + 1)]
-                 for a in range(groups)
-                 if 0 <= (c := j - groups + a) < col_tiles]
-        tiles.append(_total(parts) if parts else zero)
-    summed = jnp.concatenate(tiles, axis=1)  # summed[r, y]: F's cotangent
-    eight = _total([_roll(summed[i * _SUBLANES:(i + 1) * _SUBLANES], -_SUBLANES * i)
-                    for i in range(MULTIPLE // _SUBLANES)])
-    return _undo_eight(eight)

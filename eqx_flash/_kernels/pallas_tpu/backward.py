@@ -117,12 +117,10 @@ def backward(cfg: KernelConfig, q: Array, k: Array, v: Array, ops: Operands, lse
         d_ops = dataclasses.replace(d_ops, score_mod_arrays=mod_cotangent(
             cfg, split, ops, q.shape[:3], wanted.score_mod_arrays, cotangents))
     if d_windows is not None:
-        # Each step's window of the transposed vector starts where its tile's does (per
-        # head, from the diagonals: the whole vector).
+        # Each step's window of the transposed vector starts where its tile's does.
         outer, inner = (jnp.asarray(x) for x in (bwd_plan.outer, bwd_plan.inner))
-        starts = None if dkv_ops.relative_diagonals else _relative.Vector.of(
-            cfg, transposed=True).start(outer * cfg.block_k, inner * cfg.block_q,
-                                        cfg.block_k)
+        starts = _relative.Vector.of(cfg, transposed=True).start(
+            outer * cfg.block_k, inner * cfg.block_q, cfg.block_k)
         d_ops = dataclasses.replace(d_ops, score_mod_arrays=_relative.arrays_cotangent(
             cfg, ops, wanted.score_mod_arrays, d_windows, starts))
     if d_bias_wanted:
@@ -245,18 +243,13 @@ def _dkv_call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units,
                                       lambda bi, hi, t, outer, *tables: (
                                           bi, hi, outer[at(bi, hi, t)], 0, 0, 0)))
         outputs.append(((b, h, num_k, g, 1, chunk), jnp.float32))
-    if relative and operands.relative_diagonals:
-        # Per head, the relative vector's cotangent, summed from its diagonals' (`scratch`).
-        length = sum(cfg.padded_seq)
-        out_specs.append(pl.BlockSpec((None, None, g, 1, length), head_map))
-        outputs.append(((b, h, g, 1, length), jnp.float32))
-        scratch.append(pltpu.VMEM((g, _relative.MULTIPLE, length), jnp.float32))
-        blocks += 2 * 4 * g * SUBLANES * length + 4 * g * _relative.MULTIPLE * length
-    elif relative:  # per step, the cotangent of its window of the relative vector
+    if relative:  # per step, the cotangent of its window of the relative vector
         out_specs.append(pl.BlockSpec((None, None, None, g, 1, bk + bq),
                                       lambda bi, hi, t, *tables: (bi, hi, t, 0, 0, 0)))
         outputs.append(((b, h, plan.layout.steps, g, 1, bk + bq), jnp.float32))
-        blocks += 2 * 4 * g * SUBLANES * (bk + bq)
+        # ... summed from its diagonals' cotangent (`_relative.add_to_diagonals`).
+        scratch.append(pltpu.VMEM((g, _relative.MULTIPLE, bk + bq), jnp.float32))
+        blocks += 2 * 4 * g * SUBLANES * (bk + bq) + 4 * g * _relative.MULTIPLE * (bk + bq)
     split = operands.splits[0]
     for n in mod_values:  # a split score_mod's value cotangents (`_value_cotangents`)
         assert split is not None
@@ -287,11 +280,10 @@ def _dkv_kernel(outer_ref, inner_ref, code_ref, *refs, cfg: KernelConfig,
                 fused: bool, slopes: bool, relative: bool, mod_values: tuple[int, ...]):
     tables, (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), operand_refs, rest = split_refs(
         refs, operands, 6)
-    diagonal = relative and operands.relative_diagonals
     # The outputs come first, the optional ones last; then the scratch.
-    scratch = (3 if fused else 2) + diagonal
+    scratch = (3 if fused else 2) + relative
     outputs, rest = list(rest[:-scratch]), list(rest[-scratch:])
-    d_diagonals = rest.pop() if diagonal else None
+    d_diagonals = rest.pop() if relative else None
     d_value_refs = dict(zip(mod_values, [outputs.pop() for _ in mod_values][::-1],
                             strict=True))
     d_window_ref = outputs.pop() if relative else None
@@ -313,11 +305,7 @@ def _dkv_kernel(outer_ref, inner_ref, code_ref, *refs, cfg: KernelConfig,
         def _init_dq():
             dq_acc[...] = jnp.zeros(dq_acc.shape, stat)
 
-    if d_diagonals is not None:  # (summed over every step of a head)
-        @pl.when(at.t == 0)
-        def _init_diagonals():
-            d_diagonals[...] = jnp.zeros(d_diagonals.shape, d_diagonals.dtype)
-    elif d_window_ref is not None:  # every step writes its own window (0 if it has none)
+    if d_window_ref is not None:  # every step writes its own window (0 if it has none)
         d_window_ref[...] = jnp.zeros(d_window_ref.shape, d_window_ref.dtype)
     split = operands.splits[0]
     per_key = {n for n in d_value_refs if split is not None and split.boundary[n].side == "k"}
@@ -342,6 +330,8 @@ def _dkv_kernel(outer_ref, inner_ref, code_ref, *refs, cfg: KernelConfig,
             coefficients = operands.alibi_coefficients(tables, bi, hi, pl.num_programs(1), g)
         k, v = k_ref[...], v_ref[...]
         dk, dv = dk_acc[...], dv_acc[...]
+        if d_diagonals is not None:
+            d_diagonals[...] = jnp.zeros(d_diagonals.shape, d_diagonals.dtype)
         for group in range(g):  # the query heads of this kv head, one product each
             for c in range(bq // chunk):
                 queries = pl.ds(c * chunk, chunk)
@@ -399,19 +389,18 @@ def _dkv_kernel(outer_ref, inner_ref, code_ref, *refs, cfg: KernelConfig,
                 if ds_distance_ref is not None:
                     assert distance is not None
                     ds_distance_ref[group] += jnp.sum(ds * distance, axis=0, keepdims=True)
-                if d_diagonals is not None:
-                    start = _relative.Vector.of(cfg, operands.transposed).start(
-                        j * bk, q_start, bk)
-                    _relative.add_to_diagonals(d_diagonals, group, start, ds)
-                elif d_window_ref is not None:  # its window, `c * chunk` into the step's
-                    d_window_ref[group, :, c * chunk:c * chunk + bk + chunk] += (
-                        _relative.toeplitz_adjoint(ds))
+                if d_diagonals is not None:  # its window, `c * chunk` into the step's
+                    _relative.add_to_diagonals(d_diagonals, group, c * chunk, ds)
                 dk = dk + dot(ds.astype(q.dtype), q, NN, stat)
                 if fused:
                     rows = pl.ds(qb * bq + c * chunk, chunk)
                     dq_acc[group, rows, :] += dot(ds.astype(k.dtype), k, TN, stat)
         dk_acc[...] = dk
         dv_acc[...] = dv
+        if d_diagonals is not None:
+            assert d_window_ref is not None
+            for group in range(g):
+                d_window_ref[group] = _relative.sum_diagonals(d_diagonals, group)
 
     by_flag(flag, operands.masks_data, step)
 
@@ -421,14 +410,6 @@ def _dkv_kernel(outer_ref, inner_ref, code_ref, *refs, cfg: KernelConfig,
         dk = dk_acc[...] * jnp.asarray(cfg.scale / u.fold, stat)
         dk_ref[...] = dk.astype(dk_ref.dtype)
         dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
-
-    if d_diagonals is not None:
-        assert d_window_ref is not None
-
-        @pl.when(at.t == layout.steps - 1)
-        def _finish_diagonals():
-            for group in range(g):
-                d_window_ref[group] = _relative.sum_diagonals(d_diagonals, group)
 
     if fused:
         @pl.when(at.t == layout.steps - 1)
