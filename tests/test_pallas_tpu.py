@@ -340,6 +340,42 @@ def _compare_module(q, k, v, module, case):
     assert_close(got[4], want[4], kind="grad", name="jvp lse")
 
 
+class _OffsetTable(eqx.Module):
+    """A learned bias per head and clipped offset written as a plain score_mod (not a
+    `RelativeScoreMod`), as FlexAttention's examples write it, `q_idx - kv_idx` way."""
+
+    table: jax.Array
+
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        return self.table[h, jnp.clip(q_idx - kv_idx + 8, 0, 16)] + score
+
+
+@ACCELERATOR
+def test_lookups_by_the_offset_run_as_relative_terms():
+    """A score_mod `score + table[h, clip(kv_idx - q_idx)]` is recognised
+    (`_mods.offset_lookup`) and runs in the kernels as a `RelativeScoreMod`'s term: a
+    module with a trained table (values, lse, the table's and q, k, v's gradients, a
+    jvp) and a plain function closing over one; a lookup that also reads the batch
+    index, or a product with the scores, is not that form and stays on the pure-JAX
+    kernels, named."""
+    q, k, v = qkv(41, (2, 4, 200, 32), (2, 2, 300, 32))
+    module = _OffsetTable(jax.random.normal(jax.random.key(42), (4, 17)))
+    _compare_module(q, k, v, module, dict(causal=True, softcap=3.0))
+    table = module.table
+
+    def plain(score, b, h, q_idx, kv_idx):
+        return score + table[h, jnp.clip(kv_idx - q_idx + 8, 0, 16)]
+
+    assert eqx_flash.kernel_family(q, k, v, score_mod=plain, kernels="pallas_tpu")[0] == (
+        "pallas_tpu")
+    _compare(q, k, v, score_mod=plain, window=(60, 20))
+    for other in (lambda s, b, h, i, j: s + table[b, jnp.clip(j - i + 8, 0, 16)],
+                  lambda s, b, h, i, j: s * table[h, jnp.clip(j - i + 8, 0, 16)]):
+        family, reason = eqx_flash.kernel_family(q, k, v, score_mod=other,
+                                                 kernels="pallas_tpu")
+        assert family is None and "a score_mod that applies" in reason, reason
+
+
 class _Trained(eqx.Module):
     """A score_mod with floating arrays read by one side's positions: a factor per head
     on the scores, a bias per key (per batch element) and per query, and ALiBi written
@@ -444,7 +480,7 @@ def test_which_mods_run_in_the_kernels():
     ids = jnp.arange(64) // 16
 
     def looked_up(score, b, h, i, j):  # a lookup by both positions: a gather per pair
-        return score + table[jnp.clip(i - j, 0, 7)]
+        return score + table[jnp.clip(i + j, 0, 7)]  # (by i - j: a relative term)
 
     def running_ids(b, h, i, j):  # ids at a cumulative sum of positions: not per position
         return ids[jnp.clip(jnp.cumsum(i, axis=1), 0, 63)] == ids[j]
@@ -662,8 +698,8 @@ def test_uncovered_options_raise_when_asked_and_fall_back_by_default():
 
     table = jnp.linspace(0.0, -1.0, 8)
 
-    def score_mod(score, b, h, i, j):  # a table lookup: not in the Pallas kernels
-        return score + table[jnp.clip(i - j, 0, 7)]
+    def score_mod(score, b, h, i, j):  # a table lookup by i + j: not in the Pallas kernels
+        return score + table[jnp.clip(i + j, 0, 7)]
 
     with pytest.raises(NotImplementedError, match="score_mod"):
         flash_attention(q, k, v, score_mod=score_mod, **PALLAS)

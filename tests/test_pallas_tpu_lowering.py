@@ -276,3 +276,22 @@ def test_score_mods_with_floating_arrays_lower_to_mosaic_kernels():
     for fn, kernels in ((grad, 2), (jvp, 1)):
         exported = jax.export.export(jax.jit(fn), platforms=("tpu",))(q, kv, kv, *arrays)
         assert exported.mlir_module().count("tpu_custom_call") == kernels, fn.__name__
+
+
+def test_lookups_by_the_offset_lower_to_mosaic_kernels():
+    """A plain score_mod `score + table[h, clip(kv_idx - q_idx)]`, recognised as a
+    relative term, exports for a TPU to the two Mosaic kernels of a gradient."""
+    table = jnp.linspace(0.0, -1.0, 4 * 17).reshape(4, 17)
+
+    def looked_up(score, b, h, q_idx, kv_idx):
+        return score + table[h, jnp.clip(kv_idx - q_idx + 8, 0, 16)]
+
+    def grad(q, k, v):
+        return jax.grad(lambda q, k, v: _loss(functools.partial(
+            flash_attention, score_mod=looked_up, causal=True, **PALLAS), q, k, v),
+            argnums=(0, 1, 2))(q, k, v)
+
+    q = jax.ShapeDtypeStruct((2, 4, 160, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 2, 300, 64), jnp.bfloat16)
+    exported = jax.export.export(jax.jit(grad), platforms=("tpu",))(q, kv, kv)
+    assert exported.mlir_module().count("tpu_custom_call") == 2

@@ -72,8 +72,9 @@ from .._mods.block_mask import (
     coarsened,
     derived_flags,
 )
+from .._mods.offset_lookup import offset_lookup
 from .._mods.position_bias import ALiBi
-from .._mods.tracing import trace_mods, varying_axes_of
+from .._mods.tracing import block_probe, trace_mods, varying_axes_of
 from .._semantics.masking import valid_rows
 from .._semantics.softmax import with_sink
 from .binder import Bound, bind, bind_array
@@ -110,11 +111,23 @@ def native_alibi(bound: Bound) -> tuple[Bound, int | None]:
                                operands=replace(ops, alibi_slopes=slopes)), module.offset
 
 
+def recognised_mods(bound: Bound) -> tuple[Bound, int | None]:
+    """`bound` with the score_mods of a known form taken as what they are: an `ALiBi`
+    module as the kernels' own ALiBi (`native_alibi`; its offset returned), a lookup by
+    the offset `kv_idx - q_idx` as a `RelativeScoreMod` (`_mods.offset_lookup`)."""
+    bound, alibi_offset = native_alibi(bound)
+    probe = block_probe(bound.shapes.groups, 8, 128, stat_dtype(bound.q.dtype))
+    wrapped = offset_lookup(bound.score_mod, probe)
+    if wrapped is not None:
+        bound = dataclasses.replace(bound, score_mod=wrapped)
+    return bound, alibi_offset
+
+
 def prepare_kernels(bound: Bound) -> tuple[KernelConfig, Operands]:
     """The kernels' configuration for `bound` (the kernel choice, made once:
     `_kernels.dispatch.choose`) and its operands with the modifications' arrays and
     block summary added (`score_mod`/`mask_mod` are traced at the block sizes chosen)."""
-    bound, alibi_offset = native_alibi(bound)
+    bound, alibi_offset = recognised_mods(bound)
     shapes, ops = bound.shapes, bound.operands
     cfg = choose(call_of(bound), bound.options.kernels)
     if alibi_offset is not None:

@@ -6,7 +6,7 @@ from jaxtyping import ArrayLike
 
 from .._kernels.dispatch import why
 from .binder import bind
-from .flash import call_of, native_alibi
+from .flash import call_of, recognised_mods
 
 
 def kernel_family(q: ArrayLike, k: ArrayLike, v: ArrayLike, mask: ArrayLike | None = None,
@@ -25,4 +25,4 @@ def kernel_family(q: ArrayLike, k: ArrayLike, v: ArrayLike, mask: ArrayLike | No
     **Raises:** what `flash_attention` raises for bad arguments.
     """
     bound = bind("kernel_family", q, k, v, mask, **options)
-    return why(call_of(native_alibi(bound)[0]), bound.options.kernels)
+    return why(call_of(recognised_mods(bound)[0]), bound.options.kernels)
