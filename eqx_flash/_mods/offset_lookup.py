@@ -12,8 +12,8 @@ The form, checked on the jaxpr (anything else is left as it is):
 
 - the output is `score + x` (or `x + score`), `x` of the scores' dtype;
 - `x` depends on the head and on the positions only through `kv_idx - q_idx` or
-  `q_idx - kv_idx`, taken on the positions themselves (broadcast or reshaped at most),
-  and not on the scores or the batch;
+  `q_idx - kv_idx`, taken on the positions themselves (broadcast against each other at
+  most, every axis in place), and not on the scores or the batch;
 - `x` reads an array through a gather (a lookup): a function of the offset computed by
   arithmetic alone runs in the kernels as it is, at no cost per offset;
 - the function closes over no traced values.
@@ -32,9 +32,6 @@ from jaxtyping import Array
 from .position_bias import RelativeScoreMod
 from .tracing import StaticValue, sub_jaxprs
 
-# Primitives that copy a position without changing its values (a broadcast against the
-# other side's positions, a reshape).
-_SHAPE_ONLY = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims"})
 _LOOKUPS = frozenset({"gather", "dynamic_slice"})
 
 
@@ -95,7 +92,10 @@ def _has_the_form(jaxpr: Any) -> bool:
     for eqn in jaxpr.eqns:
         ins = [x for x in eqn.invars if isinstance(x, jex.core.Var)]
         name = eqn.primitive.name
-        if name in _SHAPE_ONLY and ins and ins[0] in side:
+        if name == "broadcast_in_dim" and ins and ins[0] in side and tuple(
+                eqn.params["broadcast_dimensions"]) == tuple(range(_rank(ins[0]))):
+            # (a broadcast against the other side's positions, every axis in place: a
+            # difference of two such is the pair's offset)
             side[eqn.outvars[0]] = side[ins[0]]
         if (name == "sub" and len(ins) == 2 and all(x in side for x in ins)
                 and {side[ins[0]], side[ins[1]]} == {"q", "k"}):
@@ -125,3 +125,7 @@ def _reads_by_lookup(eqn: Any) -> bool:
     if eqn.primitive.name in _LOOKUPS:
         return True
     return any(_reads_by_lookup(e) for sub in sub_jaxprs(eqn.params) for e in sub.eqns)
+
+
+def _rank(x: Any) -> int:
+    return len(getattr(x.aval, "shape", ()))
