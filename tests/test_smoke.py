@@ -71,10 +71,15 @@ def test_kernel_family_and_the_pallas_kernels_interpreted(getkey):
 
     table = jnp.linspace(0.0, -1.0, 8)
 
-    def relative(score, b, h, i, j):  # a table lookup: not in the Pallas kernels yet
+    def relative(score, b, h, i, j):  # a lookup by the offset: a relative term
         return score + table[jnp.clip(j - i, 0, 7)]
 
-    family, reason = eqx_flash.kernel_family(q, k, v, score_mod=relative,
+    def summed(score, b, h, i, j):  # a lookup by i + j: not in the Pallas kernels
+        return score + table[jnp.clip(j + i, 0, 7)]
+
+    family, _ = eqx_flash.kernel_family(q, k, v, score_mod=relative, kernels="pallas_tpu")
+    assert family == "pallas_tpu"
+    family, reason = eqx_flash.kernel_family(q, k, v, score_mod=summed,
                                              kernels="pallas_tpu")
     assert family is None and "score_mod" in reason
     out, lse = eqx_flash.flash_attention(q, k, v, causal=True, kernels="pallas_tpu")

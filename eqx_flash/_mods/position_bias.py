@@ -68,10 +68,11 @@ class RelativeScoreMod(eqx.Module):
     it as what it is: its bias depends on the offset only, so `bias` is evaluated once
     per call on every offset the sequences have (a vector per head, by plain JAX: any
     function, table lookups included), and each tile's term is the Toeplitz matrix of a
-    window of that vector, built in the kernel; the backward kernel sums the logits'
-    cotangent along the tile's diagonals, and the module's arrays get their gradient
-    from that vector's. `bias` must be elementwise: `head` and `relative` are int32
-    arrays that broadcast against each other.
+    window of that vector, read from the vector's diagonals; the backward kernel sums
+    the logits' cotangent along them, and the module's arrays get their gradient from
+    that vector's. A plain `score_mod` adding such a lookup (`score + table[h,
+    clip(kv_idx - q_idx)]`) is recognised as one. `bias` must be elementwise: `head`
+    and `relative` are int32 arrays that broadcast against each other.
     """
 
     @abc.abstractmethod
