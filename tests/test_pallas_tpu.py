@@ -260,7 +260,7 @@ def test_toeplitz_term_and_its_adjoint(rows, cols):
                    jax.ShapeDtypeStruct((rows, cols), jnp.float32),
                    jax.ShapeDtypeStruct((8, width), jnp.float32)),
         scratch_shapes=[pltpu.VMEM((1, 128, width), jnp.float32)])(
-        w, _relative.diagonals(w[None]), ds)
+        w, _relative.diagonals(w[:1]), ds)
     index = jnp.arange(cols)[None, :] - jnp.arange(rows)[:, None] + rows
     np.testing.assert_array_equal(t, w[0][index])
     np.testing.assert_array_equal(read, w[0][index])

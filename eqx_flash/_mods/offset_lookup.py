@@ -23,14 +23,12 @@ from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
-import jax
 import jax.extend as jex
 import jax.numpy as jnp
-from jax import core
 from jaxtyping import Array
 
 from .position_bias import RelativeScoreMod
-from .tracing import StaticValue, sub_jaxprs
+from .tracing import StaticValue, split_mod, sub_jaxprs
 
 _LOOKUPS = frozenset({"gather", "dynamic_slice"})
 
@@ -62,17 +60,13 @@ def offset_lookup(mod: Any, probe: tuple[Any, ...]) -> OffsetLookup | None:
     (`tracing.block_probe`), else None."""
     if mod is None or isinstance(mod, RelativeScoreMod) or not callable(mod):
         return None
-    leaves, static = eqx.partition(mod, eqx.is_array)
     try:
-        closed = jax.make_jaxpr(
-            lambda args, leaves: eqx.combine(leaves, static)(*args))(probe, leaves)
+        fn, closed, arrays = split_mod("score_mod", mod, probe)
     except Exception:  # noqa: BLE001 - the families' own checks say what is wrong
         return None
-    if any(isinstance(c, core.Tracer) for c in closed.consts):
+    if fn.traced or not _has_the_form(closed.jaxpr):  # (traced: closes over tracers)
         return None
-    if not _has_the_form(closed.jaxpr):
-        return None
-    return OffsetLookup(leaves, StaticValue(static))
+    return OffsetLookup(arrays, fn.static)
 
 
 def _has_the_form(jaxpr: Any) -> bool:
@@ -83,7 +77,6 @@ def _has_the_form(jaxpr: Any) -> bool:
                                        frozenset({"b"}), head: frozenset({"h"}),
                                        q_idx: frozenset({"q"}), kv_idx: frozenset({"k"})}
     side = {q_idx: "q", kv_idx: "k"}  # the positions and their shape-only copies
-    producer: dict[Any, Any] = {}
     lookups: set[Any] = set()  # the values a lookup reached
 
     def dep(x: Any) -> frozenset[str]:
@@ -105,11 +98,10 @@ def _has_the_form(jaxpr: Any) -> bool:
         looked_up = _reads_by_lookup(eqn) or any(x in lookups for x in ins)
         for out in eqn.outvars:
             deps[out] = d
-            producer[out] = eqn
             if looked_up:
                 lookups.add(out)
     out = jaxpr.outvars[0]
-    last = producer.get(out)
+    last = next((e for e in reversed(jaxpr.eqns) if out in e.outvars), None)
     if last is None or last.primitive.name != "add":
         return False
     a, b = last.invars

@@ -103,25 +103,24 @@ class Vector:
 
 def _values(cfg: KernelConfig, module: RelativeScoreMod, heads: int, groups: int,
             where: Vector) -> Array:
-    """`(1, kv heads, groups, 8, length)` float32: each query head's bias on every offset
-    of `where`, repeated along the sublanes (as the kernels read a vector). Offsets only
-    padding reaches are 0: a bias that is not finite there (a lookup past its table)
-    must not reach the padded rows' gradients."""
+    """`(kv heads * groups, length)` float32: each query head's bias on every offset of
+    `where`. Offsets only padding reaches are 0: a bias that is not finite there (a
+    lookup past its table) must not reach the padded rows' gradients."""
     head = jnp.arange(heads * groups, dtype=jnp.int32)[:, None]
     offsets = where.offsets()[None, :]
     bias = jnp.broadcast_to(module.bias(head, offsets),
                             (heads * groups, where.length)).astype(jnp.float32)
     reached = (offsets > -cfg.seq_q) & (offsets < cfg.seq_k)
-    bias = jnp.where(reached, bias, 0.0)
-    bias = bias.reshape(1, heads, groups, 1, where.length)
-    return jnp.broadcast_to(bias, (1, heads, groups, _SUBLANES, where.length))
+    return jnp.where(reached, bias, 0.0)
 
 
 def vectors(cfg: KernelConfig, ops: Operands, heads: tuple[int, ...], transposed: bool,
             d_ops: Operands | None = None) -> dict[str, Array]:
     """The kernels' vectors for `heads = (batch, kv heads, groups)`: `"relative"` and,
     with the arrays' tangents in `d_ops`, `"relative_tangent"` (its jvp); empty without
-    a `RelativeScoreMod`."""
+    a `RelativeScoreMod`. Each is `(1, kv heads, groups, 128, length)`, its diagonals
+    (`diagonals`), where they fit in `MAX_DIAGONAL_BYTES`, else `(..., 8, length)`, the
+    vector on every sublane."""
     if not module_type(cfg):
         return {}
     where = Vector.of(cfg, transposed)
@@ -135,17 +134,19 @@ def vectors(cfg: KernelConfig, ops: Operands, heads: tuple[int, ...], transposed
     else:
         value, tangent = jax.jvp(values, (ops.score_mod_arrays,), (d_ops.score_mod_arrays,))
         named = {"relative": value, "relative_tangent": tangent}
-    if diagonal_bytes(cfg, g, len(named)) <= MAX_DIAGONAL_BYTES:
-        named = {name: diagonals(x) for name, x in named.items()}
-    return named
+    as_diagonals = diagonal_bytes(cfg, g, len(named)) <= MAX_DIAGONAL_BYTES
+    rows = MULTIPLE if as_diagonals else _SUBLANES
+    return {name: (diagonals(x) if as_diagonals else jnp.broadcast_to(
+        x[:, None, :], (h * g, rows, where.length))).reshape(1, h, g, rows, where.length)
+            for name, x in named.items()}
 
 
 def diagonals(vectors: Array) -> Array:
-    """`(..., 128, length)`: row `r` of each vector `(..., 8, length)` (its eight rows
-    equal) rotated by `r`, `F[r, y] = v[y - r]` (wrapping where `y < r`, never read)."""
+    """`(..., 128, length)`: each vector `(..., length)` rotated by `r` in row `r`,
+    `F[r, y] = v[y - r]` (wrapping where `y < r`, never read)."""
     length = vectors.shape[-1]
     index = (jnp.arange(length)[None, :] - jnp.arange(MULTIPLE)[:, None]) % length
-    return vectors[..., 0, :][..., index]
+    return vectors[..., index]
 
 
 def _scattered(windows: Array, starts: Array, length: int) -> Array:
@@ -177,7 +178,7 @@ def arrays_cotangent(cfg: KernelConfig, ops: Operands, wanted: Any, windows: Arr
 
     def values(free: Any) -> Array:
         module = _module(cfg, eqx.combine(free, frozen), ops.score_mod_consts)
-        return _values(cfg, module, h, g, where)[0, :, :, 0].reshape(h * g, where.length)
+        return _values(cfg, module, h, g, where)
 
     _, vjp = jax.vjp(values, free)
     return vjp(d_vector)[0]
