@@ -5,6 +5,7 @@ without one. (Not in the accelerator set: nothing here needs the chip, and on a 
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +15,11 @@ from helpers import capped_distance, sliding_prefix
 
 from eqx_flash import RelativePositionBias, flash_attention
 from eqx_flash._kernels.pallas_tpu import _relative
+
+try:  # The Mosaic module of each kernel, as the TPU compiler receives it.
+    from jax._src.tpu_custom_call import _lower_mosaic_module_to_asm as _TO_ASM
+except ImportError:  # pragma: no cover (a jax without it: the layout test says so)
+    _TO_ASM = None
 
 PALLAS = dict(kernels="pallas_tpu")
 BLOCKS = dict(block_q=64, block_k=128)
@@ -295,3 +301,93 @@ def test_lookups_by_the_offset_lower_to_mosaic_kernels():
     kv = jax.ShapeDtypeStruct((2, 2, 300, 64), jnp.bfloat16)
     exported = jax.export.export(jax.jit(grad), platforms=("tpu",))(q, kv, kv)
     assert exported.mlir_module().count("tpu_custom_call") == 2
+
+
+_SSA = re.compile(r"\s*(%[\w#]+) = ([\w.]+) (.*)")
+_BITS = {"i8": 8, "i16": 16, "bf16": 16, "f16": 16, "i32": 32, "f32": 32}
+
+
+def _mask_layout_conflicts(module: str) -> list[str]:
+    """The ops of a Mosaic module that its layout inference rejects on a TPU (and no
+    export sees): an elementwise op on masks (i1 vectors) takes the layout of its first
+    operand and relays the others out to it where their bit widths differ (a mask's is
+    the width of the values compared); a first operand broadcast along rows or columns
+    has a layout no unbroadcast mask can take. Found on a TPU: Flax's dense mask
+    (compared as int8) after the key-padding band (a row broadcast)."""
+    width: dict[str, int] = {}
+    broadcasts: set[str] = set()
+    conflicts = []
+    for line in module.splitlines():
+        match = _SSA.match(line)
+        if match is None or "vector<" not in line:
+            continue
+        name, op, rest = match.groups()
+        operands = re.findall(r"%[\w#]+", rest.split(":")[0])
+        types = re.findall(r"x(i1|i8|i16|i32|bf16|f16|f32)>", rest)
+        if op in ("arith.cmpi", "arith.cmpf"):
+            width[name] = _BITS[types[0]]
+        elif types and types[-1] == "i1" and op in ("vector.broadcast", "vector.shape_cast"):
+            width[name] = width.get(operands[0], 32)
+            if op == "vector.broadcast":
+                broadcasts.add(name)
+        elif types and types[-1] == "i1" and op in ("arith.andi", "arith.ori", "arith.xori"):
+            first, *others = operands
+            width[name] = width.get(first, 32)
+            if first in broadcasts and any(width.get(o, 32) != width[name] for o in others):
+                conflicts.append(line.strip())
+    return conflicts
+
+
+MASKS = {
+    "Flax's dense mask": dict(attn_mask=(1, 1, 1)),
+    "dense mask, causal": dict(attn_mask=(1, 1, 1), causal=True),
+    "dense mask, key mask": dict(attn_mask=(1, 1, 1), mask=True),
+    "dense mask per head, window": dict(attn_mask=(2, 4, 1), window=(64, 0)),
+    "dense mask, segment ids, dropout": dict(attn_mask=(1, 1, 1), segments=True,
+                                             dropout_rate=0.1),
+    "key mask, mask_mod": dict(mask=True, mask_mod=sliding_prefix),
+}
+
+
+@pytest.mark.skipif(_TO_ASM is None, reason="this jax has no tpu_custom_call."
+                    "_lower_mosaic_module_to_asm to read the Mosaic modules from")
+@pytest.mark.parametrize("seq", [512, 500])
+@pytest.mark.parametrize("name", list(MASKS))
+def test_masks_take_layouts_mosaic_can_give_them(name, seq, monkeypatch):
+    """The masks the kernels combine never ask Mosaic for a relayout it cannot do (see
+    `_mask_layout_conflicts`), at the default blocks with and without key padding: the
+    forward and backward kernels of a gradient (fails before Flax's mask was compared
+    in int32 and the broadcast mask put second)."""
+    from jax._src import tpu_custom_call
+
+    modules = []
+
+    def recording(module, *args, **kwargs):
+        modules.append(module.operation.get_asm(enable_debug_info=False))
+        return _TO_ASM(module, *args, **kwargs)
+
+    monkeypatch.setattr(tpu_custom_call, "_lower_mosaic_module_to_asm", recording)
+    case = dict(MASKS[name])
+    options: dict = dict(causal=case.pop("causal", False), **PALLAS)
+    shape = case.pop("attn_mask", None)
+    arrays = {}
+    if shape is not None:
+        arrays["attn_mask"] = jax.ShapeDtypeStruct((*shape[:2], seq, seq), jnp.bool_)
+    if case.pop("mask", False):
+        arrays["mask"] = jax.ShapeDtypeStruct((2, seq), jnp.bool_)
+    if case.pop("segments", False):
+        arrays["q_segment_ids"] = arrays["kv_segment_ids"] = jax.ShapeDtypeStruct(
+            (2, seq), jnp.int32)
+    if case.get("dropout_rate"):
+        options["key"] = jax.random.key(0)
+    options.update(case)
+    q = jax.ShapeDtypeStruct((2, 4, seq, 64), jnp.bfloat16)
+
+    def grad(q, k, v, arrays):
+        flash = functools.partial(flash_attention, **options, **arrays)
+        return jax.grad(functools.partial(_loss, flash), argnums=(0, 1, 2))(q, k, v)
+
+    jax.export.export(jax.jit(grad), platforms=("tpu",))(q, q, q, arrays)
+    assert len(modules) >= 2, len(modules)  # the forward and the fused backward
+    conflicts = [c for module in modules for c in _mask_layout_conflicts(module)]
+    assert not conflicts, conflicts

@@ -341,10 +341,10 @@ class BlockOperands:
         q_pos, k_pos = self._coordinates(tile, q_start, k_start)
         mask = None
 
-        if positional is not False:
-            if cfg.seq_k == cfg.padded_seq[1] and not cfg.band_window.is_unbounded:
-                # No key padding at all: the band alone (`positional_mask` without its
-                # vacuous `k_pos < seq_k`).
+        no_key_padding = cfg.seq_k == cfg.padded_seq[1]
+        if positional is not False and not (no_key_padding and cfg.band_window.is_unbounded):
+            if no_key_padding:
+                # The band alone (`positional_mask` without its vacuous `k_pos < seq_k`).
                 band = within_window(None, k_pos, q_pos + cfg.offset, cfg.band_window)
             else:
                 band = positional_mask(q_pos, k_pos, cfg.offset, cfg.seq_k, cfg.band_window)
@@ -354,7 +354,10 @@ class BlockOperands:
         if "key_mask" in values:
             mask = and_masks(mask, values["key_mask"] != 0)
         if self.has("pair_mask"):
-            mask = and_masks(mask, self._pair(refs, "pair_mask", group, keys, queries) != 0)
+            # Compared in int32 (its block may be int8) like every other mask, so that
+            # Mosaic's layouts of the masks share a bit width (see `and_masks`).
+            pair = self._pair(refs, "pair_mask", group, keys, queries)
+            mask = and_masks(mask, pair.astype(jnp.int32) != 0)
         if "q_segment_ids" in values:
             mask = and_masks(mask, values["q_segment_ids"] == values["kv_segment_ids"])
         if self.has_positions:

@@ -160,8 +160,13 @@ def add_terms(a: Array | None, b: Array | None) -> Array | None:
 
 
 def and_masks(a: Array | None, b: Array | None) -> Array | None:
-    """Both masks, either of which may be absent (None: keeps every pair)."""
-    return b if a is None else a if b is None else a & b
+    """Both masks, either of which may be absent (None: keeps every pair). The mask
+    broadcast along fewer dimensions goes first: Mosaic lays out an elementwise op on
+    masks after its first operand and relays the others out to that layout where their
+    bit widths differ, which a mask replicated along rows or columns cannot take."""
+    if a is None or b is None:
+        return b if a is None else a
+    return a & b if a.size >= b.size else b & a
 
 
 def fold_heads(parts: list[Array]) -> Array:
