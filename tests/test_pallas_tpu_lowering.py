@@ -391,3 +391,41 @@ def test_masks_take_layouts_mosaic_can_give_them(name, seq, monkeypatch):
     assert len(modules) >= 2, len(modules)  # the forward and the fused backward
     conflicts = [c for module in modules for c in _mask_layout_conflicts(module)]
     assert not conflicts, conflicts
+
+
+_TENSOR = re.compile(r"tensor<([\dx]+)x(f32|bf16|f16|i32|ui32|i8|i1)>")
+_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4, "ui32": 4, "i8": 1, "i1": 1}
+
+
+def _largest_tiled_arrays(module: str, count: int = 3) -> list[tuple[int, str]]:
+    """The module's largest arrays in MiB with their last two dimensions padded to a
+    TPU's (8, 128) tiles, as its HBM holds them (an upper bound where XLA picks another
+    layout)."""
+    sizes = set()
+    for match in _TENSOR.finditer(module):
+        dims = [int(d) for d in match.group(1).split("x")]
+        if len(dims) >= 2:
+            dims[-2] = -(-dims[-2] // 8) * 8
+        dims[-1] = -(-dims[-1] // 128) * 128
+        sizes.add((int(np.prod(dims)) * _BYTES[match.group(2)] // 2**20, match.group(0)))
+    return sorted(sizes, reverse=True)[:count]
+
+
+def test_relative_terms_hold_no_padded_index_arrays():
+    """T5's bias at 16k tokens, exported for a TPU: no array of the program outside the
+    kernels is larger than the bias vector's diagonals (16 heads × 128 × 32k float32,
+    256 MiB). The diagonals were a gather whose `(128, 32k, 1)` index array a TPU pads to
+    2 GiB, and the vector's lookup indices for all heads at once 256 MiB more (2.3 GiB of
+    compiled temporaries measured on a v5e)."""
+    seq = 16384
+    q = jax.ShapeDtypeStruct((1, 16, seq, 128), jnp.bfloat16)
+    bias = RelativePositionBias(16, key=jax.random.key(0))
+
+    def grad(q, k, v, bias):
+        return jax.grad(lambda *a: _loss(functools.partial(
+            flash_attention, score_mod=a[3], **PALLAS), *a[:3]), argnums=(0, 1, 2, 3))(
+            q, k, v, bias)
+
+    module = jax.export.export(jax.jit(grad), platforms=("tpu",))(q, q, q, bias).mlir_module()
+    largest = _largest_tiled_arrays(module)
+    assert largest[0][0] <= 256, largest
