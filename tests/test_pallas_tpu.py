@@ -340,6 +340,67 @@ def _compare_module(q, k, v, module, case):
     assert_close(got[4], want[4], kind="grad", name="jvp lse")
 
 
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_relative_score_mods_on_the_ring(layout):
+    """A trained T5 bias on the ring's pieces (one device; zigzag: two pieces, the
+    second at global indices past the first's): each piece's vector is evaluated at
+    its global offsets. Values, lse, the gradients of the table and of q, k, v, and a
+    jvp along q and the table, against `plain_attention`."""
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("x",))
+    q, k, v = qkv(35, (2, 4, 256, 32), (2, 2, 256, 32))
+    module = eqx_flash.RelativePositionBias(4, num_buckets=16, max_distance=64,
+                                            key=jax.random.key(36))
+    module = eqx.tree_at(lambda m: m.table, module, 10.0 * module.table)
+    seq = P(None, None, "x")
+
+    def ring(q, k, v, score_mod):
+        return jax.shard_map(
+            lambda q, k, v, m: eqx_flash.ring_flash_attention(
+                q, k, v, axis_name="x", causal=True, layout=layout, score_mod=m, **PALLAS),
+            mesh=mesh, in_specs=(seq, seq, seq, P()), out_specs=(seq, seq),
+            check_vma=False)(q, k, v, score_mod)
+
+    def reference(q, k, v, score_mod):
+        return plain_attention(q, k, v, causal=True, score_mod=score_mod)
+
+    def run(attention, module, q):
+        out, lse = attention(q, k, v, module)
+        grads = jax.grad(lambda m, q, k, v: _loss(lambda *a: attention(*a, m), q, k, v),
+                         argnums=(0, 1, 2, 3))(module, q, k, v)
+        tangent = jax.tree.map(jnp.cos, module)
+        _, (t_out, _) = jax.jvp(lambda m, q: attention(q, k, v, m), (module, q),
+                                (tangent, jnp.cos(q)))
+        return out, lse, grads, t_out
+
+    got = jax.jit(functools.partial(run, ring))(module, q)
+    want = jax.jit(functools.partial(run, reference))(module, q)
+    assert_close(got[0], want[0], name="out")
+    assert_lse_close(got[1], want[1], jnp.float32)
+    leaves = jax.tree.leaves(want[2])
+    labels = [f"d_module[{n}]" for n in range(len(leaves) - 3)] + ["dq", "dk", "dv"]
+    for label, a, b in zip(labels, jax.tree.leaves(got[2]), leaves, strict=True):
+        assert_close(a, b, kind="grad", name=label)
+    assert_close(got[3], want[3], kind="grad", name="jvp out")
+
+
+def test_relative_offsets_at_a_pieces_global_indices():
+    """`_seen_offsets`: local offsets as the module sees them on a ring's piece, whose
+    global indices step by one (contiguous, zigzag) or by the ring's size (striped)."""
+    from eqx_flash._core.operands import Operands
+
+    local = jnp.arange(-4, 6, dtype=jnp.int32)
+    np.testing.assert_array_equal(_relative._seen_offsets(Operands(), local), local)
+    for step, q0, k0 in ((1, 256, 0), (4, 3, 1)):  # zigzag's second piece; striped
+        ops = Operands(q_index=(q0 + step * jnp.arange(8)).reshape(1, 1, 1, -1, 1),
+                       kv_index=(k0 + step * jnp.arange(8)).reshape(1, 1, 1, 1, -1))
+        i, j = 2, 5  # a query and a key of the piece, offset j - i locally
+        seen = _relative._seen_offsets(ops, jnp.asarray([j - i]))
+        assert int(seen[0]) == (k0 + step * j) - (q0 + step * i)
+
+
 class _OffsetTable(eqx.Module):
     """A learned bias per head and clipped offset written as a plain score_mod (not a
     `RelativeScoreMod`), as FlexAttention's examples write it, `q_idx - kv_idx` way."""

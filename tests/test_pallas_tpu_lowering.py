@@ -153,8 +153,9 @@ def test_score_and_mask_mods_lower_to_mosaic_kernels(blocks):
 
 def test_mods_on_the_ring_lower_to_mosaic_kernels():
     """A score_mod and a mask_mod on the ring's pieces (zigzag: two pieces per device,
-    read at their global indices) run in Mosaic kernels: the forward of the three causal
-    piece pairs exports to three, its gradient to three more (the fused backward)."""
+    read at their global indices; a trained T5 bias) run in Mosaic kernels: the forward
+    of the three causal piece pairs exports to three, its gradient to three more (the
+    fused backward)."""
     from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
 
@@ -181,6 +182,16 @@ def test_mods_on_the_ring_lower_to_mosaic_kernels():
         mesh=mesh, in_specs=(seq,) * 3, out_specs=(seq, seq), check_vma=False)
     grad = jax.grad(functools.partial(_loss, documents), argnums=(0, 1, 2))
     exported = jax.export.export(jax.jit(grad), platforms=("tpu",))(q, q, q)
+    assert exported.mlir_module().count("tpu_custom_call") == 6
+    # A trained T5 bias: each piece's vector at its global offsets, the table's gradient.
+    bias = RelativePositionBias(2, key=jax.random.key(0))
+    relative = jax.shard_map(
+        lambda q, k, v, m: ring_flash_attention(q, k, v, axis_name="x", causal=True,
+                                                layout="zigzag", score_mod=m, **PALLAS),
+        mesh=mesh, in_specs=(seq, seq, seq, P()), out_specs=(seq, seq), check_vma=False)
+    grad = jax.grad(lambda q, k, v, m: _loss(lambda *a: relative(*a, m), q, k, v),
+                    argnums=(0, 1, 2, 3))
+    exported = jax.export.export(jax.jit(grad), platforms=("tpu",))(q, q, q, bias)
     assert exported.mlir_module().count("tpu_custom_call") == 6
 
 

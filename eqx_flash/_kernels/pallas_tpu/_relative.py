@@ -101,15 +101,29 @@ class Vector:
         return col0 - row0 - rows + self.origin
 
 
+def _seen_offsets(ops: Operands, local: Array) -> Array:
+    """The offsets `kv_idx - q_idx` the module sees at the local offsets `local`: the
+    same, or on the ring's pieces their global indices' (`ops.q_index`/`kv_index`,
+    each a piece's positions, which step evenly: by one, or by the ring's size when
+    striped)."""
+    if ops.q_index is None or ops.kv_index is None:
+        return local
+    q_index, kv_index = ops.q_index.reshape(-1), ops.kv_index.reshape(-1)
+    step = kv_index[1] - kv_index[0] if kv_index.shape[0] > 1 else 1
+    return step * local + (kv_index[0] - q_index[0])
+
+
 def _values(cfg: KernelConfig, module: RelativeScoreMod, heads: int, groups: int,
-            where: Vector) -> Array:
+            where: Vector, ops: Operands) -> Array:
     """`(kv heads * groups, length)` float32: each query head's bias on every offset of
-    `where`. Offsets only padding reaches are 0: a bias that is not finite there (a
-    lookup past its table) must not reach the padded rows' gradients."""
+    `where` (as the module sees it, `_seen_offsets`). Offsets only padding reaches are
+    0: a bias that is not finite there (a lookup past its table) must not reach the
+    padded rows' gradients."""
     offsets = where.offsets()
+    seen = _seen_offsets(ops, offsets)
 
     def row(head: Array) -> Array:
-        return jnp.broadcast_to(module.bias(head, offsets), (where.length,))
+        return jnp.broadcast_to(module.bias(head, seen), (where.length,))
 
     # One head at a time, recomputed in the transpose: a lookup's gather indices for all
     # heads at once, `(heads, length, 2)` int32 (or kept as the residuals of each head's),
@@ -133,7 +147,7 @@ def vectors(cfg: KernelConfig, ops: Operands, heads: tuple[int, ...], transposed
     _, h, g = heads
 
     def values(arrays: Any) -> Array:
-        return _values(cfg, _module(cfg, arrays, ops.score_mod_consts), h, g, where)
+        return _values(cfg, _module(cfg, arrays, ops.score_mod_consts), h, g, where, ops)
 
     if d_ops is None or d_ops.score_mod_arrays is None:
         named = {"relative": values(ops.score_mod_arrays)}
@@ -187,7 +201,7 @@ def arrays_cotangent(cfg: KernelConfig, ops: Operands, wanted: Any, windows: Arr
 
     def values(free: Any) -> Array:
         module = _module(cfg, eqx.combine(free, frozen), ops.score_mod_consts)
-        return _values(cfg, module, h, g, where)
+        return _values(cfg, module, h, g, where, ops)
 
     _, vjp = jax.vjp(values, free)
     return vjp(d_vector)[0]

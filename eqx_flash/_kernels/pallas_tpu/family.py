@@ -57,8 +57,6 @@ def covers(cfg: KernelConfig, call: Call) -> str | None:
     ]
     if isinstance(call.score_mod, RelativeScoreMod):
         unsupported += [
-            (call.pieces, "a RelativeScoreMod on the ring's pieces (its offsets are the "
-             "whole sequence's)"),
             (cfg.block_q % MULTIPLE != 0, f"a RelativeScoreMod with a block_mask built at "
              f"query blocks of {cfg.block_q} (its term needs blocks of whole {MULTIPLE}s)"),
             (vector_bytes(cfg, call.shapes.groups) > MAX_VECTOR_BYTES,
