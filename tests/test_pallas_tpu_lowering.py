@@ -25,6 +25,25 @@ PALLAS = dict(kernels="pallas_tpu")
 BLOCKS = dict(block_q=64, block_k=128)
 
 
+@pytest.fixture(autouse=True)
+def mosaic_modules(monkeypatch):
+    """The Mosaic modules a test here exports, as a TPU's compiler receives them; after
+    the test, every one is checked for masks laid out in a way Mosaic cannot relay out
+    (`_mask_layout_conflicts`), which no export sees."""
+    modules: list[str] = []
+    if _TO_ASM is not None:
+        from jax._src import tpu_custom_call
+
+        def recording(module, *args, **kwargs):
+            modules.append(module.operation.get_asm(enable_debug_info=False))
+            return _TO_ASM(module, *args, **kwargs)
+
+        monkeypatch.setattr(tpu_custom_call, "_lower_mosaic_module_to_asm", recording)
+    yield modules
+    conflicts = [c for module in modules for c in _mask_layout_conflicts(module)]
+    assert not conflicts, conflicts
+
+
 def _loss(attention, q, k, v):
     out, lse = attention(q, k, v)
     return jnp.sum(out.astype(jnp.float32)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
@@ -364,20 +383,11 @@ MASKS = {
                     "_lower_mosaic_module_to_asm to read the Mosaic modules from")
 @pytest.mark.parametrize("seq", [512, 500])
 @pytest.mark.parametrize("name", list(MASKS))
-def test_masks_take_layouts_mosaic_can_give_them(name, seq, monkeypatch):
+def test_masks_take_layouts_mosaic_can_give_them(name, seq, mosaic_modules):
     """The masks the kernels combine never ask Mosaic for a relayout it cannot do (see
-    `_mask_layout_conflicts`), at the default blocks with and without key padding: the
-    forward and backward kernels of a gradient (fails before Flax's mask was compared
-    in int32 and the broadcast mask put second)."""
-    from jax._src import tpu_custom_call
-
-    modules = []
-
-    def recording(module, *args, **kwargs):
-        modules.append(module.operation.get_asm(enable_debug_info=False))
-        return _TO_ASM(module, *args, **kwargs)
-
-    monkeypatch.setattr(tpu_custom_call, "_lower_mosaic_module_to_asm", recording)
+    `_mask_layout_conflicts`; `mosaic_modules` checks them), at the default blocks with
+    and without key padding: the forward and backward kernels of a gradient (fails
+    before Flax's mask was compared in int32 and the broadcast mask put second)."""
     case = dict(MASKS[name])
     options: dict = dict(causal=case.pop("causal", False), **PALLAS)
     shape = case.pop("attn_mask", None)
@@ -399,8 +409,8 @@ def test_masks_take_layouts_mosaic_can_give_them(name, seq, monkeypatch):
         return jax.grad(functools.partial(_loss, flash), argnums=(0, 1, 2))(q, k, v)
 
     jax.export.export(jax.jit(grad), platforms=("tpu",))(q, q, q, arrays)
-    assert len(modules) >= 2, len(modules)  # the forward and the fused backward
-    conflicts = [c for module in modules for c in _mask_layout_conflicts(module)]
+    assert len(mosaic_modules) >= 2, len(mosaic_modules)  # the forward, the fused backward
+    conflicts = [c for module in mosaic_modules for c in _mask_layout_conflicts(module)]
     assert not conflicts, conflicts
 
 
