@@ -381,6 +381,19 @@ def test_score_terms_on_the_ring():
             assert error < TOL, (config, name, errors)
 
 
+@pytest.mark.multidevice
+def test_relative_score_mod_on_the_pallas_ring():
+    """A trained T5 bias on the ring in the Pallas kernels (interpreted), striped and
+    zigzag over 2 devices, causal: out, lse and the cotangents of q, k, v and the table
+    equal `plain_attention`'s (each piece's bias vector at its global offsets; striped
+    pieces' indices step by the ring's size)."""
+    result = multidevice("ring_relative_pallas")
+    assert set(result) == {"striped", "zigzag"}
+    for layout, errors in result.items():
+        for name, error in errors.items():
+            assert error < 1e-4, (layout, name, errors)
+
+
 def test_score_terms_one_device_check_vma(getkey):
     """`ring_flash_attention` in a one-device `shard_map(check_vma=True)` with a bias whose
     rows broadcast and per-head slopes, both replicated inputs (cast to vary with q;
