@@ -548,7 +548,9 @@ def test_which_mods_run_in_the_kernels():
 
     relative = eqx_flash.RelativePositionBias(2, key=jax.random.key(0))
     reasons = {
-        "applies `gather` to the scores or to both positions": dict(score_mod=looked_up),
+        "applies `gather` to the scores or to both positions (Mosaic runs elementwise "
+        "functions): an array looked up per pair runs in the kernels as `bias=`":
+            dict(score_mod=looked_up),
         "read through `cumsum` of positions": dict(mask_mod=running_ids),
         "block_mask built at blocks (24, 40)": dict(
             mask_mod=sliding_prefix, block_mask=eqx_flash.make_block_mask(

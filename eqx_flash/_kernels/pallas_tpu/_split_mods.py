@@ -95,6 +95,11 @@ def _lowerable(eqn: Any, elementwise: frozenset[str]) -> bool:
     return name in elementwise
 
 
+# Primitives that look an array up (or build its index) by both positions: the reason a
+# mod is not covered then says how the kernels can run the same lookup.
+_LOOKUPS = frozenset({"gather", "concatenate", "dynamic_slice"})
+
+
 def _classify(closed: Any, roles: tuple[str, ...], elementwise: frozenset[str]
               ) -> tuple[list[bool], list[Any], dict[Any, frozenset[str]]] | str:
     """Which equations run in the kernel, the boundary variables in order, and each
@@ -121,8 +126,14 @@ def _classify(closed: Any, roles: tuple[str, ...], elementwise: frozenset[str]
         lowerable = _lowerable(eqn, elementwise)
         if "s" in d or {"q", "k"} <= d:
             if not lowerable:
-                return (f"applies `{eqn.primitive.name}` to the scores or to both positions "
-                        "(Mosaic runs elementwise functions)")
+                reason = (f"applies `{eqn.primitive.name}` to the scores or to both "
+                          "positions (Mosaic runs elementwise functions)")
+                if "s" not in d and eqn.primitive.name in _LOOKUPS:
+                    reason += (": an array looked up per pair runs in the kernels as "
+                               "`bias=`, and one looked up by `kv_idx - q_idx` alone as a "
+                               "RelativeScoreMod or as `score + table[h, f(kv_idx - q_idx)]` "
+                               "(a soft cap on top as `softcap=`)")
+                return reason
         elif not (lowerable and all(not isinstance(x, jex.core.Var) or x in available
                                     for x in eqn.invars)):
             in_kernel.append(False)
