@@ -343,19 +343,35 @@ def _mask_layout_conflicts(module: str) -> list[str]:
     operand and relays the others out to it where their bit widths differ (a mask's is
     the width of the values compared); a first operand broadcast along rows or columns
     has a layout no unbroadcast mask can take. Found on a TPU: Flax's dense mask
-    (compared as int8) after the key-padding band (a row broadcast)."""
+    (compared as int8) after the key-padding band (a row broadcast). Likewise a select
+    between two splats (replicated everywhere) whose condition's bit width is not its
+    values': the condition would have to take the splats' layout."""
     width: dict[str, int] = {}
     broadcasts: set[str] = set()
+    splats: set[str] = set()  # every entry one scalar: a constant or a scalar broadcast
     conflicts = []
     for line in module.splitlines():
         match = _SSA.match(line)
         if match is None or "vector<" not in line:
             continue
         name, op, rest = match.groups()
+        # Sibling regions number their values afresh too: the latest definition is the one
+        # a later use sees.
+        width.pop(name, None)
+        broadcasts.discard(name)
+        splats.discard(name)
         operands = re.findall(r"%[\w#]+", rest.split(":")[0])
         types = re.findall(r"x(i1|i8|i16|i32|bf16|f16|f32)>", rest)
+        if op == "arith.constant" and "dense<" in rest and "[" not in rest or (
+                op == "vector.broadcast" and re.search(r": (i\d+|bf16|f16|f32) to", rest)):
+            splats.add(name)
         if op in ("arith.cmpi", "arith.cmpf"):
             width[name] = _BITS[types[0]]
+        elif op == "arith.select" and types and types[0] == "i1":
+            condition, *values = operands
+            if all(x in splats for x in values) and width.get(condition, 32) != _BITS.get(
+                    types[-1], 32):
+                conflicts.append(line.strip())
         elif types and types[-1] == "i1" and op in ("vector.broadcast", "vector.shape_cast"):
             width[name] = width.get(operands[0], 32)
             if op == "vector.broadcast":
