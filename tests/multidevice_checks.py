@@ -285,7 +285,14 @@ def _score_terms_errors(ring_fn, seq_q: int, seq_k: int, bias_shape, slopes_shap
 
     expected = jax.jit(lambda: value_and_vjp(reference))()
     got = jax.jit(lambda: value_and_vjp(ring_fn))()
-    names = ("out", "lse", "dq", "dk", "dv", "dbias", "dslopes", "dtable")
+    return _relative_errors(("out", "lse", "dq", "dk", "dv", "dbias", "dslopes", "dtable"),
+                            expected, got)
+
+
+def _relative_errors(names, expected, got) -> dict:
+    """Each named result's max error relative to its largest entry (at least 1), over
+    the entries `expected` has finite; inf where the -inf entries differ or `got` has a
+    NaN."""
     result = {}
     for name, a, b in zip(names, expected, got, strict=True):
         a, b = np.asarray(a), np.asarray(b)
@@ -390,13 +397,8 @@ def check_ring_relative_pallas():
             return arrange(out, -2, inverse=True), arrange(lse, -1, inverse=True)
 
         got = jax.jit(lambda ring=ring: value_and_vjp(ring))()
-        errors = {}
-        for name, a, b in zip(("out", "lse", "dq", "dk", "dv", "dtable"), expected, got,
-                              strict=True):
-            a, b = np.asarray(a), np.asarray(b)
-            scale = max(1.0, float(np.max(np.abs(a))))
-            errors[name] = float(np.max(np.abs(a - b))) / scale
-        result[layout] = errors
+        result[layout] = _relative_errors(("out", "lse", "dq", "dk", "dv", "dtable"),
+                                          expected, got)
     return result
 
 

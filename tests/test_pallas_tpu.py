@@ -317,7 +317,13 @@ def _compare_module(q, k, v, module, case):
     assert eqx_flash.kernel_family(q, k, v, score_mod=module, kernels="pallas_tpu",
                                    **case)[0] == "pallas_tpu"
     pallas = functools.partial(flash_attention, **case, **PALLAS, **BLOCKS)
-    reference = functools.partial(plain_attention, **case)
+    _compare_module_call(pallas, functools.partial(plain_attention, **case), module, q, k, v)
+
+
+def _compare_module_call(attention, reference, module, q, k, v):
+    """`attention(q, k, v, score_mod=module)` against `reference` called the same way:
+    values, lse, the gradients of the module's arrays and of q, k, v, and a jvp along q
+    and the module (tangents `cos` of each)."""
 
     def run(attention, module, q):
         out, lse = attention(q, k, v, score_mod=module)
@@ -328,7 +334,7 @@ def _compare_module(q, k, v, module, case):
                                     (module, q), (tangent, jnp.cos(q)))
         return out, lse, grads, t_out, jnp.where(jnp.isfinite(lse), t_lse, 0.0)
 
-    got = jax.jit(functools.partial(run, pallas))(module, q)
+    got = jax.jit(functools.partial(run, attention))(module, q)
     want = jax.jit(functools.partial(run, reference))(module, q)
     assert_close(got[0], want[0], name="out")
     assert_lse_close(got[1], want[1], jnp.float32)
@@ -340,7 +346,7 @@ def _compare_module(q, k, v, module, case):
     assert_close(got[4], want[4], kind="grad", name="jvp lse")
 
 
-def test_relative_score_mods_on_the_ring(layout="zigzag"):
+def test_relative_score_mods_on_the_ring():
     """A trained T5 bias on the ring's pieces (one device; zigzag: two pieces, the
     second at global indices past the first's): each piece's vector is evaluated at
     its global offsets. Values, lse, the gradients of the table and of q, k, v, and a
@@ -359,31 +365,13 @@ def test_relative_score_mods_on_the_ring(layout="zigzag"):
     def ring(q, k, v, score_mod):
         return jax.shard_map(
             lambda q, k, v, m: eqx_flash.ring_flash_attention(
-                q, k, v, axis_name="x", causal=True, layout=layout, score_mod=m, **PALLAS),
+                q, k, v, axis_name="x", causal=True, layout="zigzag", score_mod=m,
+                **PALLAS),
             mesh=mesh, in_specs=(seq, seq, seq, P()), out_specs=(seq, seq),
             check_vma=False)(q, k, v, score_mod)
 
-    def reference(q, k, v, score_mod):
-        return plain_attention(q, k, v, causal=True, score_mod=score_mod)
-
-    def run(attention, module, q):
-        out, lse = attention(q, k, v, module)
-        grads = jax.grad(lambda m, q, k, v: _loss(lambda *a: attention(*a, m), q, k, v),
-                         argnums=(0, 1, 2, 3))(module, q, k, v)
-        tangent = jax.tree.map(jnp.cos, module)
-        _, (t_out, _) = jax.jvp(lambda m, q: attention(q, k, v, m), (module, q),
-                                (tangent, jnp.cos(q)))
-        return out, lse, grads, t_out
-
-    got = jax.jit(functools.partial(run, ring))(module, q)
-    want = jax.jit(functools.partial(run, reference))(module, q)
-    assert_close(got[0], want[0], name="out")
-    assert_lse_close(got[1], want[1], jnp.float32)
-    leaves = jax.tree.leaves(want[2])
-    labels = [f"d_module[{n}]" for n in range(len(leaves) - 3)] + ["dq", "dk", "dv"]
-    for label, a, b in zip(labels, jax.tree.leaves(got[2]), leaves, strict=True):
-        assert_close(a, b, kind="grad", name=label)
-    assert_close(got[3], want[3], kind="grad", name="jvp out")
+    _compare_module_call(ring, functools.partial(plain_attention, causal=True), module,
+                         q, k, v)
 
 
 def test_relative_offsets_at_a_pieces_global_indices():

@@ -334,7 +334,8 @@ def test_lookups_by_the_offset_lower_to_mosaic_kernels():
 
 
 _SSA = re.compile(r"\s*(%[\w#]+) = ([\w.]+) (.*)")
-_BITS = {"i8": 8, "i16": 16, "bf16": 16, "f16": 16, "i32": 32, "f32": 32}
+# Element bits of the types these checks read (an i1 array takes a byte in HBM).
+_BITS = {"i1": 1, "i8": 8, "i16": 16, "bf16": 16, "f16": 16, "i32": 32, "ui32": 32, "f32": 32}
 
 
 def _mask_layout_conflicts(module: str) -> list[str]:
@@ -431,7 +432,6 @@ def test_masks_take_layouts_mosaic_can_give_them(name, seq, mosaic_modules):
 
 
 _TENSOR = re.compile(r"tensor<([\dx]+)x(f32|bf16|f16|i32|ui32|i8|i1)>")
-_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4, "ui32": 4, "i8": 1, "i1": 1}
 
 
 def _largest_tiled_arrays(module: str, count: int = 3) -> list[tuple[int, str]]:
@@ -444,7 +444,7 @@ def _largest_tiled_arrays(module: str, count: int = 3) -> list[tuple[int, str]]:
         if len(dims) >= 2:
             dims[-2] = -(-dims[-2] // 8) * 8
         dims[-1] = -(-dims[-1] // 128) * 128
-        sizes.add((int(np.prod(dims)) * _BYTES[match.group(2)] // 2**20, match.group(0)))
+        sizes.add((int(np.prod(dims)) * -(-_BITS[match.group(2)] // 8) // 2**20, match.group(0)))
     return sorted(sizes, reverse=True)[:count]
 
 
