@@ -128,7 +128,6 @@ def test_blocks_the_band_crosses_in_row_tiles(options):
 
 
 ALIBI = {
-    "per head, GQA": dict(slopes=(4,)),
     "per sequence, causal softcap": dict(slopes=(2, 4), causal=True, softcap=3.0),
     "positions, window": dict(slopes=(4,), window=(60, 0), positions=True),
 }
@@ -177,11 +176,10 @@ def test_the_alibi_module_runs_in_the_kernels():
 
 
 BIASES = {
-    "per query head and pair": dict(shape=(4, 200, 300)),
+    "per query head and pair, window": dict(shape=(4, 200, 300), window=(60, 0)),
     "per sequence and key, causal softcap": dict(shape=(2, 1, 1, 300), causal=True,
                                                  softcap=3.0),
-    "per query, window": dict(shape=(200, 1), window=(60, 0)),
-}
+}  # (a bias per query: beside a relative term, `RELATIVE`)
 
 
 @pytest.mark.parametrize("name", list(BIASES))
@@ -278,11 +276,10 @@ class _Clipped(eqx_flash.RelativeScoreMod):
 
 
 RELATIVE = {
-    "T5 buckets": dict(),
     "T5 buckets, causal softcap": dict(causal=True, softcap=3.0),
     "T5 buckets, built from rotations": dict(causal=True, rotations=True),
-    "clipped table, window": dict(window=(60, 20), module="clipped"),
-    "clipped table, beside a bias": dict(bias=(200, 1), module="clipped"),
+    "clipped table, window, beside a bias": dict(window=(60, 20), bias=(200, 1),
+                                                 module="clipped"),
     # Most tiles' windows lie past max_distance (long constant stretches of the vector).
     "T5 buckets, long sequences": dict(shapes=((1, 4, 520, 32), (1, 2, 700, 32))),
 }
@@ -344,34 +341,6 @@ def _compare_module_call(attention, reference, module, q, k, v):
         assert_close(a, b, kind="grad", name=label)
     assert_close(got[3], want[3], kind="grad", name="jvp out")
     assert_close(got[4], want[4], kind="grad", name="jvp lse")
-
-
-def test_relative_score_mods_on_the_ring():
-    """A trained T5 bias on the ring's pieces (one device; zigzag: two pieces, the
-    second at global indices past the first's): each piece's vector is evaluated at
-    its global offsets. Values, lse, the gradients of the table and of q, k, v, and a
-    jvp along q and the table, against `plain_attention` (striped and zigzag over two
-    devices: `multidevice_checks.check_ring_relative_pallas`)."""
-    from jax.sharding import Mesh
-    from jax.sharding import PartitionSpec as P
-
-    mesh = Mesh(np.array(jax.devices()[:1]), ("x",))
-    q, k, v = qkv(35, (2, 4, 256, 32), (2, 2, 256, 32))
-    module = eqx_flash.RelativePositionBias(4, num_buckets=16, max_distance=64,
-                                            key=jax.random.key(36))
-    module = eqx.tree_at(lambda m: m.table, module, 10.0 * module.table)
-    seq = P(None, None, "x")
-
-    def ring(q, k, v, score_mod):
-        return jax.shard_map(
-            lambda q, k, v, m: eqx_flash.ring_flash_attention(
-                q, k, v, axis_name="x", causal=True, layout="zigzag", score_mod=m,
-                **PALLAS),
-            mesh=mesh, in_specs=(seq, seq, seq, P()), out_specs=(seq, seq),
-            check_vma=False)(q, k, v, score_mod)
-
-    _compare_module_call(ring, functools.partial(plain_attention, causal=True), module,
-                         q, k, v)
 
 
 def test_relative_offsets_at_a_pieces_global_indices():
@@ -442,7 +411,6 @@ class _Trained(eqx.Module):
 
 
 TRAINED = {
-    "full": dict(),
     "causal softcap": dict(causal=True, softcap=5.0),
     "beside a bias": dict(bias=(4, 1, 300), window=(60, 10)),
 }
@@ -691,6 +659,26 @@ def test_dropout_drops_what_the_xla_kernels_drop(options):
 
 
 @ACCELERATOR
+def test_programs_reading_fewer_results_get_the_same_values():
+    """A compiled program that reads only the output (or not the max scores) runs a
+    forward kernel that does not write the statistics (`_unread_outputs`): the same
+    output, under `vmap` too, and the max scores where they are read, as the program
+    that reads everything."""
+    q, k, v = qkv(21, (2, 4, 200, 32), (2, 2, 300, 32))
+    pallas = functools.partial(flash_attention, causal=True, return_max_scores=True,
+                               **PALLAS, **BLOCKS)
+    out, lse, top = jax.jit(pallas)(q, k, v)
+    assert_close(jax.jit(lambda q, k, v: pallas(q, k, v)[0])(q, k, v), out, name="out")
+    mapped = jax.jit(jax.vmap(lambda q, k, v: pallas(q, k, v)[0]))(q, k, v)
+    assert_close(mapped, out, name="vmapped out")
+    got_top = jax.jit(lambda q, k, v: pallas(q, k, v)[2])(q, k, v)
+    assert_close(got_top, top, name="max scores")
+    ref_out, ref_lse = plain_attention(q, k, v, causal=True)
+    assert_close(out, ref_out, name="out")
+    assert_lse_close(lse, ref_lse, jnp.float32)
+
+
+@ACCELERATOR
 def test_empty_rows_and_nonfinite_values():
     """Rows that attend nothing give 0, -inf and zero gradients; a NaN value reaches
     exactly the rows that attend it (causal: the later ones), in values and gradients."""
@@ -818,24 +806,20 @@ def test_inside_a_users_shard_map():
     _compare_on(ring, q, k, v, causal=True, alibi_slopes=slopes, bias=bias)
     # A score_mod and a mask_mod on the ring's pieces see the whole sequence's indices
     # (zigzag: two pieces per device, here chunks 0 and 1 of one device, the second at
-    # global indices past the first's; `sliding_prefix` reads them absolutely).
-    mods = dict(score_mod=capped_distance, mask_mod=sliding_prefix)
+    # global indices past the first's; `sliding_prefix` reads them absolutely), and so do
+    # the values a split mod reads by position (documents by id, a trained bias per key).
+    ids = jnp.stack([jnp.arange(128) // 40, jnp.arange(128) // 50])
+    key_bias = jnp.sin(jnp.arange(128, dtype=jnp.float32))
+    documents = _documents(ids, ids)
+    mods = dict(
+        mask_mod=lambda b, h, i, j: documents(b, h, i, j) & sliding_prefix(b, h, i, j),
+        score_mod=lambda s, b, h, i, j: (capped_distance(s, b, h, i, j)
+                                         + key_bias[j].astype(s.dtype)))
     ring_mods = jax.shard_map(
         lambda q, k, v: eqx_flash.ring_flash_attention(q, k, v, axis_name="x", causal=True,
                                                        layout="zigzag", **mods, **PALLAS),
         mesh=mesh, in_specs=(seq,) * 3, out_specs=(seq, seq), check_vma=False)
     _compare_on(ring_mods, q, k, v, causal=True, **mods)
-    # ... and so do the values a split mod reads by position (documents by id, a
-    # trained bias per key): computed at the pieces' global indices.
-    ids = jnp.stack([jnp.arange(128) // 40, jnp.arange(128) // 50])
-    key_bias = jnp.sin(jnp.arange(128, dtype=jnp.float32))
-    mods = dict(mask_mod=_documents(ids, ids),
-                score_mod=lambda s, b, h, i, j: s + key_bias[j].astype(s.dtype))
-    ring_split = jax.shard_map(
-        lambda q, k, v: eqx_flash.ring_flash_attention(q, k, v, axis_name="x", causal=True,
-                                                       layout="zigzag", **mods, **PALLAS),
-        mesh=mesh, in_specs=(seq,) * 3, out_specs=(seq, seq), check_vma=False)
-    _compare_on(ring_split, q, k, v, causal=True, **mods)
 
 
 def _compare_on(attention, q, k, v, traced=None, **options):

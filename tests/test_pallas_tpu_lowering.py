@@ -214,8 +214,8 @@ def test_mods_on_the_ring_lower_to_mosaic_kernels():
     assert exported.mlir_module().count("tpu_custom_call") == 6
 
 
-@pytest.mark.parametrize("blocks, diagonals", [(BLOCKS, True), ({}, True), (BLOCKS, False)],
-                         ids=["blocks 64x128", "default blocks", "built from rotations"])
+@pytest.mark.parametrize("blocks, diagonals", [({}, True), (BLOCKS, False)],
+                         ids=["default blocks", "built from rotations at blocks 64x128"])
 def test_relative_score_mods_lower_to_mosaic_kernels(blocks, diagonals, monkeypatch):
     """A `RelativeScoreMod` (T5's buckets: a table lookup) runs in the kernels as a
     Toeplitz term read from its vector's diagonals (or, past their VMEM budget, built
@@ -331,6 +331,88 @@ def test_lookups_by_the_offset_lower_to_mosaic_kernels():
     kv = jax.ShapeDtypeStruct((2, 2, 300, 64), jnp.bfloat16)
     exported = jax.export.export(jax.jit(grad), platforms=("tpu",))(q, kv, kv)
     assert exported.mlir_module().count("tpu_custom_call") == 2
+
+
+def _kernel_results(text: str) -> dict[str, int]:
+    """How many arrays each Mosaic kernel of an exported module writes, by kernel name."""
+    results = {}
+    for line in text.splitlines():
+        if "tpu_custom_call" in line and "kernel_name" in line:
+            name = re.search(r'kernel_name = "?(\w+)', line).group(1)
+            results[name] = line.rsplit(") -> ", 1)[1].count("tensor<")
+    return results
+
+
+def test_the_forward_writes_only_the_statistics_a_program_reads():
+    """The forward kernel writes its lse and max scores (lane-replicated: each 4x the
+    bytes of a bf16 output of head dim 128) only where the compiled program reads them:
+    the output alone for a forward-only program, the lse too under a gradient, all three
+    with `return_max_scores` read; under `vmap` too."""
+    q = jax.ShapeDtypeStruct((1, 4, 1024, 128), jnp.bfloat16)
+
+    def forward(q, k, v):
+        return flash_attention(q, k, v, causal=True, **PALLAS)[0]
+
+    def grad(q, k, v):
+        return jax.grad(lambda q: jnp.sum(forward(q, k, v).astype(jnp.float32)))(q)
+
+    def everything(q, k, v):
+        return flash_attention(q, k, v, causal=True, return_max_scores=True, **PALLAS)
+
+    for fn, (q_in, written) in {forward: (q, 1), grad: (q, 2), everything: (q, 3),
+                               jax.vmap(forward): (jax.ShapeDtypeStruct((2, *q.shape),
+                                                                        q.dtype), 1)}.items():
+        exported = jax.export.export(jax.jit(fn), platforms=("tpu",))(q_in, q_in, q_in)
+        assert _kernel_results(exported.mlir_module())["eqx_flash_forward"] == written, fn
+
+
+def test_unread_results_are_dropped_only_where_safe():
+    """`_unread_outputs`, on a toy call: optional results a jitted program does not read
+    are dropped from the call (its dead-code rule), required ones never; under `vmap`
+    too. A `run` that reads a traced value it closes over (which the rebuilt call could
+    not) is run as it is, and still gives the right values."""
+    from jax._src.interpreters import partial_eval as pe
+
+    from eqx_flash._kernels.pallas_tpu._unread_outputs import call_writing_read_results
+
+    def run(x, written):
+        return [f(x) for f, w in zip((jnp.sin, jnp.cos, jnp.exp), written, strict=True) if w]
+
+    def first(x, run=run):
+        return call_writing_read_results(run, (x,), 3, optional=(1, 2))[0]
+
+    def calls(fn, x):
+        jaxpr = jax.make_jaxpr(fn)(x).jaxpr
+        jaxpr = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))[0]
+        found = []
+
+        def walk(j):
+            for eqn in j.eqns:
+                if eqn.primitive.name == "eqx_flash_unread_outputs":
+                    found.append(eqn.params["written"])
+                for value in eqn.params.values():  # nested jaxprs (jit, custom_jvp, cond)
+                    for sub in value if isinstance(value, tuple | list) else (value,):
+                        sub = getattr(sub, "jaxpr", sub)
+                        if hasattr(sub, "eqns"):
+                            walk(sub)
+        walk(jaxpr)
+        return found
+
+    x = jnp.linspace(0.0, 1.0, 8)
+    assert calls(first, x) == [(True, False, False)]
+    assert calls(jax.vmap(first), x[None]) == [(True, False, False)]
+    # Only the optional ones go: the third is read by no one, but kept.
+    only_second = jax.jit(lambda x: call_writing_read_results(run, (x,), 3, optional=(1,))[0])
+    assert calls(only_second, x) == [(True, False, True)]
+    np.testing.assert_allclose(jax.jit(first)(x), jnp.sin(x))
+
+    def leaky(x):
+        y = 2.0 * x  # traced, closed over
+        return call_writing_read_results(lambda x, written: run(x + y, written), (x,), 3,
+                                         optional=(1, 2))[0]
+
+    assert calls(leaky, x) == []
+    np.testing.assert_allclose(jax.jit(leaky)(x), jnp.sin(3.0 * x), rtol=1e-6)
 
 
 _SSA = re.compile(r"\s*(%[\w#]+) = ([\w.]+) (.*)")

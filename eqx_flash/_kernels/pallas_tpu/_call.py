@@ -9,6 +9,7 @@ axes the inputs vary over (inside a user's `shard_map` with `check_vma=True` a
 `split_refs` undoes that order inside a kernel.
 """
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -20,6 +21,7 @@ from jaxtyping import Array
 from ..._core.compat import pcast_varying, varying_axes, varying_struct
 from ._operands import BlockOperands
 from ._plan import FIRST, FLAG, LAST, Layout, Plan
+from ._unread_outputs import call_writing_read_results
 
 # The default scoped VMEM limit is smaller than large blocks need; v5e has 128 MiB.
 _MIN_VMEM, _MAX_VMEM = 32 * 2**20, 100 * 2**20
@@ -29,8 +31,8 @@ def planned_call(kernel: Callable[..., None], *, plan: Plan, operands: BlockOper
                  blocks: tuple[int, int], heads: tuple[int, int], in_specs: Sequence[Any],
                  out_specs: Sequence[Any], outputs: Sequence[tuple[tuple[int, ...], Any]],
                  scratch: Sequence[Any], vmem_bytes: int,
-                 name: str, interpret: bool, zeroed: Sequence[int] = ()
-                 ) -> Callable[..., list[Array]]:
+                 name: str, interpret: bool, zeroed: Sequence[int] = (),
+                 optional: Sequence[int] = ()) -> Callable[..., list[Array]]:
     """`pallas_call(kernel)` over `plan`'s steps for each of `heads = (batch, kv heads)`
     (the steps in order: they carry an outer block's running state), taking the kernel's
     inputs (`in_specs`;
@@ -38,37 +40,46 @@ def planned_call(kernel: Callable[..., None], *, plan: Plan, operands: BlockOper
     outputs (`outputs`: their shapes and dtypes); `vmem_bytes`: one step's estimate
     without the operands', doubled for room. The outputs numbered in `zeroed` start as
     zeros (blocks no step writes stay 0): each is aliased to a zero input the kernel
-    sees, untouched in HBM, right after the operands' block refs."""
+    sees, untouched in HBM, right after the operands' block refs. The outputs numbered in
+    `optional` are written only where a compiled program reads them (`_unread_outputs`):
+    the kernel is then called with `written`, a bool per output, and gets refs for those
+    it marks; the call returns every output (the unwritten ones are never read)."""
+    n_tables = 3 + len(operands.scalar_tables)
 
-    def call(*inputs: Array) -> list[Array]:
-        arrays = (*inputs, *operands.block_arrays, *operands.scalar_tables)
+    def run(*arrays: Array, written: tuple[bool, ...]) -> list[Array]:
+        kept = [n for n, w in enumerate(written) if w]
         axes = frozenset().union(*(varying_axes(x) for x in arrays))
         step_bytes = vmem_bytes + operands.vmem_bytes(*blocks)
         limit = int(min(max(2 * step_bytes, _MIN_VMEM), _MAX_VMEM))
         zeros = [jnp.zeros(*outputs[n]) for n in zeroed]
         if axes:
             zeros = [pcast_varying(z, tuple(axes)) for z in zeros]
-        first = 3 + len(operands.scalar_tables) + len(inputs) + len(operands.block_arrays)
+        first = len(arrays)
+        body = functools.partial(kernel, written=written) if optional else kernel
         results = pl.pallas_call(
-            kernel,
+            body,
             grid_spec=pltpu.PrefetchScalarGridSpec(
-                num_scalar_prefetch=3 + len(operands.scalar_tables),
+                num_scalar_prefetch=n_tables,
                 grid=(*heads, plan.layout.steps),
                 in_specs=[*in_specs, *operands.block_specs(*blocks, plan.layout.at),
                           *(pl.BlockSpec(memory_space=pl.ANY) for _ in zeros)],
-                out_specs=list(out_specs),
+                out_specs=[out_specs[n] for n in kept],
                 scratch_shapes=list(scratch),
             ),
-            out_shape=[varying_struct(shape, dtype, axes) for shape, dtype in outputs],
-            input_output_aliases={first + i: n for i, n in enumerate(zeroed)},
+            out_shape=[varying_struct(*outputs[n], axes) for n in kept],
+            input_output_aliases={first + i: kept.index(n)
+                                  for i, n in enumerate(zeroed)},
             compiler_params=pltpu.CompilerParams(
                 dimension_semantics=("parallel", "parallel", "arbitrary"),
                 vmem_limit_bytes=limit),
             interpret=interpret,
             name=name,
-        )(*plan.tables(), *operands.scalar_tables,
-          *inputs, *operands.block_arrays, *zeros)
+        )(*arrays, *zeros)
         return list(results)
+
+    def call(*inputs: Array) -> list[Array]:
+        arrays = (*plan.tables(), *operands.scalar_tables, *inputs, *operands.block_arrays)
+        return call_writing_read_results(run, arrays, len(outputs), optional)
 
     return call
 

@@ -25,6 +25,7 @@ Pallas kernels, the XLA kernels and the reference agree on what attends.
 """
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -142,7 +143,7 @@ class BlockOperands:
         return sum(2 * x.dtype.itemsize * p.groups * (block_q if p.queries else 1)
                    * (block_k if p.keys else 1)
                    for p, x in zip(self.pairs, pair_arrays, strict=True)) + sum(
-            2 * x.dtype.itemsize * x[0, 0].size for x in self._vector_arrays)
+            2 * x.dtype.itemsize * math.prod(x.shape[2:]) for x in self._vector_arrays)
 
     def relative_term(self, cfg: KernelConfig, refs: Sequence[Any], name: str, row0: Any,
                       col0: Any, tile: tuple[int, int], groups: int,

@@ -99,7 +99,7 @@ def _call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units,
         in_specs=in_specs,
         out_specs=out_specs, outputs=outputs, scratch=scratch,
         vmem_bytes=_vmem_bytes(rows, bk, d, dv, q.dtype), name="eqx_flash_forward",
-        interpret=interpret)(q, k, v)
+        interpret=interpret, optional=(1, 2))(q, k, v)
     return out, lse[..., 0], max_score[..., 0]
 
 
@@ -114,9 +114,12 @@ def _vmem_bytes(rows: int, bk: int, d: int, dv: int, dtype) -> int:
 
 def _kernel(outer_ref, inner_ref, code_ref, *refs, cfg: KernelConfig,
             operands: BlockOperands, u: Units, chunk: int, split: int | None, layout: Layout,
-            listed: bool):
+            listed: bool, written: tuple[bool, bool, bool]):
     tables, (q_ref, k_ref, v_ref), operand_refs, rest = split_refs(refs, operands, 3)
-    o_ref, lse_ref, max_ref, m_scr, l_scr, acc_scr = rest
+    rest = list(rest)
+    # The lse and max scores are written only where the program reads them (`written`).
+    o_ref, lse_ref, max_ref = (rest.pop(0) if w else None for w in written)
+    m_scr, l_scr, acc_scr = rest
     at = read_step(layout, outer_ref, inner_ref, code_ref)
     bi, hi, i, kb, flag = at.batch, at.head, at.outer, at.inner, at.flag
 
@@ -273,7 +276,7 @@ def _accumulate(operands, operand_refs, acc_scr, rows, p, alpha, v_ref, keys, ma
 
 def _write_finish(u: Units, o_ref, lse_ref, max_ref, m_scr, l_scr, acc_scr):
     """`_semantics.softmax.finish` and `max_score` on the scratch, written out (the
-    statistics in natural units)."""
+    statistics in natural units; the lse and max scores where their refs are given)."""
     g, bq, dv = o_ref.shape
     rows = g * bq  # (the scratch is `(g, bq, .)` here, `(rows, .)` in the tangent kernel)
     m = m_scr[...].reshape(rows, LANES)
@@ -284,8 +287,10 @@ def _write_finish(u: Units, o_ref, lse_ref, max_ref, m_scr, l_scr, acc_scr):
     out = jnp.where(lanes(attended, dv), acc * lanes(1.0 / safe, dv), 0.0)
     nonfinite = jnp.logical_not(jnp.all(jnp.isfinite(out), axis=-1, keepdims=True))
     out = jnp.where(nonfinite, jnp.asarray(jnp.nan, out.dtype), out)
-    lse = jnp.where(attended, u.to_natural(m + u.log(safe)), -jnp.inf)
-    top = jnp.where(total == 0, -jnp.inf, u.to_natural(m))
     o_ref[...] = out.reshape(g, bq, dv).astype(o_ref.dtype)
-    lse_ref[...] = lse.reshape(g, bq, LANES).astype(lse_ref.dtype)
-    max_ref[...] = top.reshape(g, bq, LANES).astype(max_ref.dtype)
+    if lse_ref is not None:
+        lse = jnp.where(attended, u.to_natural(m + u.log(safe)), -jnp.inf)
+        lse_ref[...] = lse.reshape(g, bq, LANES).astype(lse_ref.dtype)
+    if max_ref is not None:
+        top = jnp.where(total == 0, -jnp.inf, u.to_natural(m))
+        max_ref[...] = top.reshape(g, bq, LANES).astype(max_ref.dtype)
