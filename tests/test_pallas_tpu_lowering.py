@@ -347,7 +347,7 @@ def test_the_forward_writes_only_the_statistics_a_program_reads():
     """The forward kernel writes its lse and max scores (lane-replicated: each 4x the
     bytes of a bf16 output of head dim 128) only where the compiled program reads them:
     the output alone for a forward-only program, the lse too under a gradient, all three
-    with `return_max_scores` read; under `vmap` too."""
+    with `return_max_scores` read; under `vmap` too. So does the jvp kernel."""
     q = jax.ShapeDtypeStruct((1, 4, 1024, 128), jnp.bfloat16)
 
     def forward(q, k, v):
@@ -364,6 +364,20 @@ def test_the_forward_writes_only_the_statistics_a_program_reads():
                                                                         q.dtype), 1)}.items():
         exported = jax.export.export(jax.jit(fn), platforms=("tpu",))(q_in, q_in, q_in)
         assert _kernel_results(exported.mlir_module())["eqx_flash_forward"] == written, fn
+
+    # The one-pass jvp kernel likewise: the output and its tangent; the lse and its
+    # tangent too where read (the max scores are not).
+    def jvp(q, k, v):
+        return jax.jvp(forward, (q, k, v), (q, k, v))
+
+    def jvp_lse(q, k, v):
+        return jax.jvp(lambda q, k, v: flash_attention(q, k, v, causal=True, **PALLAS),
+                       (q, k, v), (q, k, v))
+
+    for fn, written in ((jvp, 2), (jvp_lse, 4)):
+        exported = jax.export.export(jax.jit(fn), platforms=("tpu",))(q, q, q)
+        results = _kernel_results(exported.mlir_module())
+        assert results == {"eqx_flash_forward_and_tangent": written}, (fn, results)
 
 
 def test_unread_results_are_dropped_only_where_safe():

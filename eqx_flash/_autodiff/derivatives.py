@@ -37,7 +37,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.core import ShapedArray
+from jax.core import ShapedArray, eval_jaxpr
 from jax.custom_derivatives import SymbolicZero
 from jax.extend.core import Primitive
 from jax.extend.core.primitives import closed_call_p
@@ -97,7 +97,8 @@ def with_custom_derivatives(attention: Callable[..., Any]) -> Callable[..., Any]
             # (Tied to the primals alone: a primal result tied to a tangent would no
             # longer be known to `jax.linearize`.)
             out, lse, max_score, d_out, d_lse = _batched_alike(one_pass_p.bind(
-                *flat, *nonzero, cfg=cfg, which=which, tree=tree, two_pass=two_pass), flat)
+                *flat, *nonzero, cfg=cfg, which=which, tree=tree, two_pass=two_pass,
+                read=_EVERY), flat)
         else:
             out, lse, max_score, d_out, d_lse = two_pass(cfg, which, q, k, v, diff, const,
                                                          nonzero)
@@ -154,7 +155,16 @@ def _one_pass_applies(cfg: KernelConfig, primals: Any, nonzero: tuple[Any, ...])
 
 # The one-pass jvp primitive. Operands: the leaves of `(q, k, v, diff, const)` (`tree`),
 # then the non-zero tangents of the differentiable leaves `which` marks. Results:
-# `(out, lse, max_score, d_out, d_lse)`.
+# those of `(out, lse, max_score, d_out, d_lse)` that `read` marks: all when bound; a
+# compiled program's dead-code elimination drops the ones it never reads (`_dce`), and
+# the lowering then leaves them unwritten (`_lowering`: the Pallas kernel writes the
+# statistics and the lse's tangent only where read).
+
+_EVERY = (True,) * 5
+
+
+def _read(results, read: tuple[bool, ...]) -> list[Any]:
+    return [r for r, keep in zip(results, read, strict=True) if keep]
 
 
 def _arguments(args, tree) -> tuple[Residuals, list[Any]]:
@@ -163,23 +173,47 @@ def _arguments(args, tree) -> tuple[Residuals, list[Any]]:
     return Residuals(q, k, v, None, None, diff, const), list(args[tree.num_leaves:])  # pyright: ignore[reportArgumentType]
 
 
-def _one_pass(*args, cfg, which, tree, two_pass):
+def _one_pass(*args, cfg, which, tree, two_pass, read):
     del two_pass
     primals, nonzero = _arguments(args, tree)
-    return apply_forward_and_tangent(cfg, primals, which, nonzero)
+    return _read(apply_forward_and_tangent(cfg, primals, which, nonzero), read)
 
 
-def _two_pass(*args, cfg, which, tree, two_pass):
+def _lowering(*args, **params):
+    """`_one_pass` with what it does not return dead-code eliminated (traced, then the
+    kernels' own rules drop their unread results: `_kernels/pallas_tpu/_unread_outputs`)."""
+    closed = jax.make_jaxpr(functools.partial(_one_pass, **params))(*args)
+    jaxpr, used_consts, _ = pe.dce_jaxpr_consts(closed.jaxpr, [True] * len(closed.out_avals),
+                                                instantiate=True)
+    consts = [c for c, used in zip(closed.consts, used_consts, strict=True) if used]
+    return eval_jaxpr(jaxpr, consts, *args)
+
+
+def _two_pass(*args, cfg, which, tree, two_pass, read):
     p, nonzero = _arguments(args, tree)
-    return list(two_pass(cfg, which, p.q, p.k, p.v, p.diff, p.const, tuple(nonzero)))
+    return _read(two_pass(cfg, which, p.q, p.k, p.v, p.diff, p.const, tuple(nonzero)), read)
 
 
-def _abstract_eval(*avals, cfg, which, tree, two_pass):
+def _abstract_eval(*avals, cfg, which, tree, two_pass, read):
     del cfg, which, tree, two_pass
     q, v = avals[0], avals[2]  # (b, h, g, seq_q, d), (b, h, seq_k, dim_v)
     out = ShapedArray((*q.shape[:-1], v.shape[-1]), q.dtype)
     lse = ShapedArray(q.shape[:-1], stat_dtype(q.dtype))
-    return [out, lse, lse, out, lse]
+    return _read([out, lse, lse, out, lse], read)
+
+
+def _dce(used: list[bool], *args: Any) -> tuple[list[bool], Any]:
+    """The results a program never reads leave `read` (no effects: unread, it goes)."""
+    eqn = args[-1]  # (jax >= 0.12 passes which inputs are live before it)
+    if not any(used):
+        return [False] * len(eqn.invars), None
+    if all(used):
+        return [True] * len(eqn.invars), eqn
+    kept = iter(used)
+    read = tuple(r and next(kept) for r in eqn.params["read"])
+    outvars = [v for v, u in zip(eqn.outvars, used, strict=True) if u]
+    return [True] * len(eqn.invars), eqn.replace(outvars=outvars,
+                                                 params=dict(eqn.params, read=read))
 
 
 def _partial_eval(trace, *tracers, **params):
@@ -215,7 +249,8 @@ def _batch(args, dims, **params):
     """Along the tangents alone (`jax.jacfwd`): the decomposition, so that the forward
     runs once; otherwise one one-pass call per batch element."""
     if all(d is None for d in dims[: params["tree"].num_leaves]):
-        dims_out = [None, None, None, 0, 0]  # the primal results do not vary
+        # The primal results do not vary.
+        dims_out = _read([None, None, None, 0, 0], params["read"])
         outs = jax.vmap(functools.partial(_two_pass, **params), in_axes=list(dims),
                         out_axes=dims_out)(*args)
         return outs, dims_out
@@ -226,7 +261,8 @@ one_pass_p = Primitive("eqx_flash_attention_jvp")
 one_pass_p.multiple_results = True
 one_pass_p.def_impl(_one_pass)
 one_pass_p.def_abstract_eval(_abstract_eval)
-mlir.register_lowering(one_pass_p, mlir.lower_fun(_one_pass, multiple_results=True))
+mlir.register_lowering(one_pass_p, mlir.lower_fun(_lowering, multiple_results=True))
+pe.dce_rules[one_pass_p] = _dce
 pe.custom_partial_eval_rules[one_pass_p] = _partial_eval
 pe.partial_eval_jaxpr_custom_rules[one_pass_p] = _partial_eval_custom
 ad.primitive_jvps[one_pass_p] = _jvp

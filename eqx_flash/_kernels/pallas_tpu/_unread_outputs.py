@@ -66,9 +66,10 @@ def _abstract_eval(*_, written: tuple[bool, ...], avals: tuple[Any, ...], **__):
     return [a for a, w in zip(avals, written, strict=True) if w]
 
 
-def _dce(used: list[bool], eqn: Any) -> tuple[list[bool], Any]:
+def _dce(used: list[bool], *args: Any) -> tuple[list[bool], Any]:
     """Stop writing the optional results nobody reads (the call has no effects: unread
     altogether, it goes)."""
+    eqn = args[-1]  # (jax >= 0.12 passes which inputs are live before it)
     if not any(used):
         return [False] * len(eqn.invars), None
     written, optional = eqn.params["written"], eqn.params["optional"]

@@ -104,19 +104,23 @@ def _call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units, chun
         in_specs=in_specs,
         out_specs=out_specs, outputs=outputs, scratch=scratch,
         vmem_bytes=_vmem_bytes(2 * rows, 2 * bk, d, 2 * dv_dim, q.dtype),
-        name="eqx_flash_forward_and_tangent", interpret=interpret)(q, k, v, *tangents)
+        name="eqx_flash_forward_and_tangent", interpret=interpret,
+        optional=(1, 2, 4))(q, k, v, *tangents)
     return out, lse[..., 0], max_score[..., 0], d_out, d_lse[..., 0]
 
 
 def _kernel(outer_ref, inner_ref, code_ref, *refs, cfg: KernelConfig,
             operands: BlockOperands, u: Units, chunk: int, layout: Layout, listed: bool,
-            has: tuple[bool, bool, bool]):
+            has: tuple[bool, bool, bool], written: tuple[bool, ...]):
     tables, inputs, operand_refs, rest = split_refs(refs, operands, 3 + sum(has))
     q_ref, k_ref, v_ref = inputs[:3]
     it = iter(inputs[3:])
     dq_ref, dk_ref, dv_ref = (next(it) if present else None for present in has)
-    (o_ref, lse_ref, max_ref, do_ref, dlse_ref,
-     m_scr, l_scr, acc_scr, acc_t_scr, acc_ds_scr) = rest
+    # The statistics and the lse's tangent only where the program reads them (`written`).
+    it = iter(rest)
+    o_ref, lse_ref, max_ref, do_ref, dlse_ref = (next(it) if w else None for w in written)
+    m_scr, l_scr, acc_scr, acc_t_scr, acc_ds_scr = it
+    assert o_ref is not None and do_ref is not None  # (not optional)
     at = read_step(layout, outer_ref, inner_ref, code_ref)
     bi, hi, i, kb, flag = at.batch, at.head, at.outer, at.inner, at.flag
     g, bq, d = q_ref.shape
@@ -235,7 +239,8 @@ def _kernel(outer_ref, inner_ref, code_ref, *refs, cfg: KernelConfig,
         d_out = acc_t_scr[...] * lanes(1.0 / safe, dv_dim) - lanes(d_lse, dv_dim) * out
         d_out = jnp.where(lanes(attended, dv_dim), d_out, 0.0)
         do_ref[...] = d_out.reshape(g, bq, dv_dim).astype(do_ref.dtype)
-        dlse_ref[...] = d_lse.reshape(g, bq, LANES).astype(dlse_ref.dtype)
+        if dlse_ref is not None:
+            dlse_ref[...] = d_lse.reshape(g, bq, LANES).astype(dlse_ref.dtype)
 
 
 def _accumulate(operands: BlockOperands, operand_refs, acc_scr, acc_t_scr, p, p_ds, alpha,
