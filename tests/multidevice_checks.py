@@ -656,7 +656,6 @@ def check_ulysses():
     compare("gqa_divisible", seq_mesh, 8, 4, causal=True)
     compare("mqa", seq_mesh, 4, 1, causal=False)  # kv heads repeated up to the devices
     grid = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "seq"))
-    compare("batch_axis", grid, 4, 2, causal=True, batch_axis="data")
     heads_grid = Mesh(np.array(jax.devices()).reshape(2, 2), ("model", "seq"))
     compare("head_axis", heads_grid, 8, 4, causal=True, reference="gqa_divisible",
             head_axis="model")
@@ -773,7 +772,7 @@ def check_ring_forward_mode():
 # too, whose single-device call is `causal_everything`'s), and the heads and two batch
 # axes sharded with it.
 ALL_GATHER_CASES = {
-    "all_gather": ("causal_everything", "window", "full_cross", "batch_axis"),
+    "all_gather": ("causal_everything", "window", "full_cross"),
     "all_gather_sharded_axes": ("head_axis", "two_batch_axes"),
 }
 
@@ -841,8 +840,6 @@ def _all_gather(cases: tuple[str, ...]) -> dict:
     compare("window", seq, seq, window=(9, 3), softcap=3.0)
     compare("full_cross", 32, 64)
     grid = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "seq"))
-    compare("batch_axis", seq, seq, grid, axes=dict(batch_axis="data"),
-            reference="causal_everything", **everything)
     heads_grid = Mesh(np.array(jax.devices()).reshape(2, 2), ("model", "seq"))
     compare("head_axis", seq, seq, heads_grid, heads=8, kv_heads=4,
             axes=dict(head_axis="model"), **everything)

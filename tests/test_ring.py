@@ -122,7 +122,7 @@ def test_ring_forward_mode_matches_single_device():
 
 @pytest.mark.multidevice
 @pytest.mark.parametrize("check, cases", [
-    pytest.param("all_gather", ("causal_everything", "window", "full_cross", "batch_axis"),
+    pytest.param("all_gather", ("causal_everything", "window", "full_cross"),
                  id="all_gather"),
     pytest.param("all_gather_sharded_axes", ("head_axis", "two_batch_axes"),
                  id="all_gather_sharded_axes"),
@@ -164,7 +164,7 @@ def test_ulysses_matches_single_device():
     and heads axes, two batch axes); three all-to-alls in and two out; head counts that
     do not split are ValueErrors."""
     result = multidevice("ulysses")
-    cases = ("gqa_divisible", "mqa", "batch_axis", "head_axis", "two_batch_axes")
+    cases = ("gqa_divisible", "mqa", "head_axis", "two_batch_axes")  # (batch sharded: the last)
     for case in cases:
         for part in _parts(result, case):
             assert result[f"{case}_{part}"] < TOL, (case, part, result)
