@@ -8,6 +8,7 @@ import functools
 import re
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -404,11 +405,8 @@ def test_unread_results_are_dropped_only_where_safe():
             for eqn in j.eqns:
                 if eqn.primitive.name == "eqx_flash_unread_outputs":
                     found.append(eqn.params["written"])
-                for value in eqn.params.values():  # nested jaxprs (jit, custom_jvp, cond)
-                    for sub in value if isinstance(value, tuple | list) else (value,):
-                        sub = getattr(sub, "jaxpr", sub)
-                        if hasattr(sub, "eqns"):
-                            walk(sub)
+                for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                    walk(sub)
         walk(jaxpr)
         return found
 

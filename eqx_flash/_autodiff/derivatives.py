@@ -44,7 +44,7 @@ from jax.extend.core.primitives import closed_call_p
 from jax.interpreters import ad, batching, mlir
 from jax.interpreters import partial_eval as pe
 
-from .._core.compat import set_current_trace, unsharded
+from .._core.compat import register_dce_rule, set_current_trace, unsharded
 from .._core.config import KernelConfig, stat_dtype
 from .._core.operands import Operands, combine
 from .._semantics.masking import valid_rows
@@ -202,9 +202,8 @@ def _abstract_eval(*avals, cfg, which, tree, two_pass, read):
     return _read([out, lse, lse, out, lse], read)
 
 
-def _dce(used: list[bool], *args: Any) -> tuple[list[bool], Any]:
+def _dce(used: list[bool], eqn: Any) -> tuple[list[bool], Any]:
     """The results a program never reads leave `read` (no effects: unread, it goes)."""
-    eqn = args[-1]  # (jax >= 0.12 passes which inputs are live before it)
     if not any(used):
         return [False] * len(eqn.invars), None
     if all(used):
@@ -262,7 +261,7 @@ one_pass_p.multiple_results = True
 one_pass_p.def_impl(_one_pass)
 one_pass_p.def_abstract_eval(_abstract_eval)
 mlir.register_lowering(one_pass_p, mlir.lower_fun(_lowering, multiple_results=True))
-pe.dce_rules[one_pass_p] = _dce
+register_dce_rule(one_pass_p, _dce)
 pe.custom_partial_eval_rules[one_pass_p] = _partial_eval
 pe.partial_eval_jaxpr_custom_rules[one_pass_p] = _partial_eval_custom
 ad.primitive_jvps[one_pass_p] = _jvp

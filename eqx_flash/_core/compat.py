@@ -7,6 +7,7 @@ newest; everything else the package uses is common to all of them.
 | `varying_axes(x)` | `jax.typeof(x).manual_axis_type.varying` | `jax.typeof(x).vma` |
 | `varying_struct(shape, dtype, axes)` | `ShapeDtypeStruct(manual_axis_type=)` | `(vma=)` |
 | `set_current_trace` | `jax.extend.core.set_current_trace` | `jax._src.core`'s |
+| `register_dce_rule(p, rule)` | rules take `(used, live_ins, eqn)` (0.12) | `(used, eqn)` |
 
 `jax.shard_map(..., check_vma=)`, `jax.typeof`, `jax.lax.axis_size` and `jax.tree.*`
 exist under these names from jax 0.6.1 on, so they are used directly. The floor is 0.7.0
@@ -14,10 +15,12 @@ because on 0.6.x `zeros_like` drops the varying mesh axes, so the kernels' accum
 break `shard_map(check_vma=True)` (see the README's "Supported versions").
 """
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
+from typing import Any
 
 import jax
 import jax.extend.core
+from jax.interpreters import partial_eval as pe
 from jaxtyping import Array
 
 if hasattr(jax.extend.core, "set_current_trace"):
@@ -57,6 +60,13 @@ def varying_struct(shape: tuple[int, ...], dtype, axes: frozenset[Hashable]
     if manual is not None:
         return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=manual)
     return jax.ShapeDtypeStruct(shape, dtype, vma=like.vma)  # pyright: ignore
+
+
+def register_dce_rule(primitive: Any, rule: Callable[[list[bool], Any], Any]) -> None:
+    """Register `rule(used_outputs, eqn) -> (used_inputs, new_eqn | None)` as
+    `primitive`'s dead-code rule; jax 0.12 passes which inputs are live before the eqn
+    (the package's primitives have no effects, so their rules do not read it)."""
+    pe.dce_rules[primitive] = lambda used, *args: rule(used, args[-1])
 
 
 def unsharded(x: Array) -> bool:

@@ -117,6 +117,14 @@ def by_flag(flag: Array, masks_data: bool, step: Callable[[Any], None]) -> None:
         pl.when(flag == 1)(lambda: step(True))
 
 
+def written_refs(refs: Sequence[Any], written: Sequence[bool]
+                 ) -> tuple[list[Any], list[Any]]:
+    """A kernel's output refs, one per output with None for those `written` leaves out
+    (`planned_call`'s `optional`), and the refs after them (its scratch)."""
+    it = iter(refs)
+    return [next(it) if w else None for w in written], list(it)
+
+
 def split_refs(refs: Sequence[Any], operands: BlockOperands, inputs: int
                ) -> tuple[Sequence[Any], Sequence[Any], Sequence[Any], Sequence[Any]]:
     """A kernel's refs after the plan's three tables, in `planned_call`'s order: `(scalar

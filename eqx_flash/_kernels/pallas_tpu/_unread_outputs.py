@@ -25,10 +25,9 @@ import jax
 from jax.core import ShapedArray, Tracer
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
-from jax.interpreters import partial_eval as pe
 from jaxtyping import Array
 
-from ..._core.compat import unsharded
+from ..._core.compat import register_dce_rule, unsharded
 
 # `run(*arrays, written=...)`: the call writing the results `written` marks (a bool per
 # result), returned in order.
@@ -66,10 +65,9 @@ def _abstract_eval(*_, written: tuple[bool, ...], avals: tuple[Any, ...], **__):
     return [a for a, w in zip(avals, written, strict=True) if w]
 
 
-def _dce(used: list[bool], *args: Any) -> tuple[list[bool], Any]:
+def _dce(used: list[bool], eqn: Any) -> tuple[list[bool], Any]:
     """Stop writing the optional results nobody reads (the call has no effects: unread
     altogether, it goes)."""
-    eqn = args[-1]  # (jax >= 0.12 passes which inputs are live before it)
     if not any(used):
         return [False] * len(eqn.invars), None
     written, optional = eqn.params["written"], eqn.params["optional"]
@@ -109,4 +107,4 @@ unread_outputs_p.def_impl(_impl)
 unread_outputs_p.def_abstract_eval(_abstract_eval)
 mlir.register_lowering(unread_outputs_p, mlir.lower_fun(_impl, multiple_results=True))
 batching.primitive_batchers[unread_outputs_p] = _batch
-pe.dce_rules[unread_outputs_p] = _dce
+register_dce_rule(unread_outputs_p, _dce)

@@ -23,7 +23,7 @@ from jaxtyping import Array
 from ..._core.config import KernelConfig, stat_dtype
 from ..._core.operands import Operands
 from ..._semantics.masking import window_overlap
-from ._call import planned_call, read_step, split_refs
+from ._call import planned_call, read_step, split_refs, written_refs
 from ._operands import BlockOperands, masks_some_pairs, prepare
 from ._plan import Layout, Plan, applies_mask_mod, forward_plan
 from ._platform import on_tpu_or_interpreted
@@ -116,10 +116,8 @@ def _kernel(outer_ref, inner_ref, code_ref, *refs, cfg: KernelConfig,
             operands: BlockOperands, u: Units, chunk: int, split: int | None, layout: Layout,
             listed: bool, written: tuple[bool, bool, bool]):
     tables, (q_ref, k_ref, v_ref), operand_refs, rest = split_refs(refs, operands, 3)
-    rest = list(rest)
     # The lse and max scores are written only where the program reads them (`written`).
-    o_ref, lse_ref, max_ref = (rest.pop(0) if w else None for w in written)
-    m_scr, l_scr, acc_scr = rest
+    (o_ref, lse_ref, max_ref), (m_scr, l_scr, acc_scr) = written_refs(rest, written)
     at = read_step(layout, outer_ref, inner_ref, code_ref)
     bi, hi, i, kb, flag = at.batch, at.head, at.outer, at.inner, at.flag
 

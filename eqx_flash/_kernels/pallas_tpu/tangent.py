@@ -19,7 +19,7 @@ from jaxtyping import Array
 
 from ..._core.config import KernelConfig, stat_dtype
 from ..._core.operands import Operands
-from ._call import by_flag, planned_call, read_step, split_refs
+from ._call import by_flag, planned_call, read_step, split_refs, written_refs
 from ._operands import BlockOperands, masks_some_pairs, prepare
 from ._plan import Layout, Plan, applies_mask_mod, forward_plan
 from ._platform import on_tpu_or_interpreted
@@ -117,9 +117,8 @@ def _kernel(outer_ref, inner_ref, code_ref, *refs, cfg: KernelConfig,
     it = iter(inputs[3:])
     dq_ref, dk_ref, dv_ref = (next(it) if present else None for present in has)
     # The statistics and the lse's tangent only where the program reads them (`written`).
-    it = iter(rest)
-    o_ref, lse_ref, max_ref, do_ref, dlse_ref = (next(it) if w else None for w in written)
-    m_scr, l_scr, acc_scr, acc_t_scr, acc_ds_scr = it
+    ((o_ref, lse_ref, max_ref, do_ref, dlse_ref),
+     (m_scr, l_scr, acc_scr, acc_t_scr, acc_ds_scr)) = written_refs(rest, written)
     assert o_ref is not None and do_ref is not None  # (not optional)
     at = read_step(layout, outer_ref, inner_ref, code_ref)
     bi, hi, i, kb, flag = at.batch, at.head, at.outer, at.inner, at.flag
