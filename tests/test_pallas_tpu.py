@@ -41,8 +41,8 @@ from eqx_flash.testing import attention_inputs, check_attention
 # Compiled on a TPU, interpreted elsewhere. The accelerator set (`pytest -m accelerator`,
 # under 6 minutes on a TPU) takes the cases `tests/test_accelerator.py` does not: the
 # kernels' own paths (row tiles, the relative term, split mods with traced arrays, the
-# statistics written only where read, non-finite values, bf16, transforms). Each case
-# compiles several programs, ~3-30 s on a TPU: one case per path.
+# statistics written only where read, the batch-inner bias cotangent, non-finite values,
+# bf16, transforms). Each case compiles several programs, ~3-30 s on a TPU: one per path.
 ACCELERATOR = pytest.mark.accelerator
 
 
@@ -194,6 +194,26 @@ def test_bias_against_reference(name):
     bias = jax.random.normal(jax.random.key(15), case.pop("shape"))
     q, k, v = qkv(16, (2, 4, 200, 32), (2, 2, 300, 32))
     _compare_with_array(q, k, v, case, "bias", bias, jnp.sin(bias))
+
+@ACCELERATOR
+def test_a_bias_shared_by_the_batch_sums_its_cotangent_in_the_kernel():
+    """A bias the batch broadcasts over (here bfloat16, per query head and pair) has its
+    cotangent summed over the batch inside the dq kernel, from a float32 accumulator,
+    and written in the bias's dtype: the reference's gradient of the same bias (batch
+    3; causal, so some blocks are never visited and keep a zero cotangent)."""
+    q, k, v = qkv(17, (3, 4, 200, 32), (3, 2, 300, 32))
+    bias = jax.random.normal(jax.random.key(18), (4, 200, 300)).astype(jnp.bfloat16)
+
+    def grads(attention):
+        return jax.jit(jax.grad(lambda q, b: _loss(attention, q, k, v, bias=b, causal=True),
+                                argnums=(0, 1)))(q, bias)
+
+    (dq, d_bias), (ref_dq, ref_d_bias) = grads(functools.partial(
+        flash_attention, **PALLAS, **BLOCKS)), grads(plain_attention)
+    assert d_bias.dtype == jnp.bfloat16 and d_bias.shape == bias.shape
+    assert_close(d_bias, ref_d_bias, jnp.bfloat16, kind="grad", name="d_bias")
+    assert_close(dq, ref_dq, kind="grad", name="dq")
+
 
 def _compare_with_array(q, k, v, case, argument, x, tangent):
     """`flash_attention(..., argument=x)` with the Pallas kernels against

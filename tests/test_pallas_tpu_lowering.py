@@ -560,3 +560,29 @@ def test_relative_terms_hold_no_padded_index_arrays():
     module = jax.export.export(jax.jit(grad), platforms=("tpu",))(q, q, q, bias).mlir_module()
     largest = _largest_tiled_arrays(module)
     assert largest[0][0] <= 256, largest
+
+
+def test_a_bias_the_batch_broadcasts_over_sums_its_cotangent_in_the_kernel():
+    """A trained bias shared by the batch (`(heads, seq_q, seq_k)`), exported for a TPU:
+    the dq kernel sums its cotangent over the batch in VMEM (a batch-inner grid), so no
+    array of the program is larger than the bias's cotangent in float32 (32 MiB here;
+    the conversions jax emits around the kernel's bf16 output, which XLA folds away).
+    It wrote one per batch element before (4×, 128 MiB; at seq 4096 and batch 4 on a v5e,
+    4.2 GiB of compiled temporaries), summed afterwards. A bias per batch element keeps
+    the ordinary grid."""
+    q = jax.ShapeDtypeStruct((4, 8, 1024, 128), jnp.bfloat16)
+
+    def grad(q, k, v, bias):
+        return jax.grad(lambda *a: _loss(functools.partial(
+            flash_attention, bias=a[3], **PALLAS), *a[:3]), argnums=(0, 1, 2, 3))(
+            q, k, v, bias)
+
+    shared = jax.ShapeDtypeStruct((8, 1024, 1024), jnp.bfloat16)
+    module = jax.export.export(jax.jit(grad), platforms=("tpu",))(q, q, q, shared).mlir_module()
+    largest = _largest_tiled_arrays(module)
+    assert largest[0][0] <= 32, largest
+    # ... written by the kernel in the bias's dtype (a float32 accumulator in VMEM).
+    assert "1x8x1x1x1x1024x1024xbf16" in module, "the cotangent is not bf16"
+    per_batch = jax.ShapeDtypeStruct((4, 1, 1, 1024), jnp.bfloat16)
+    module = jax.export.export(jax.jit(grad), platforms=("tpu",))(q, q, q, per_batch)
+    assert _kernel_results(module.mlir_module())["eqx_flash_backward_dq"] == 2

@@ -9,10 +9,12 @@ axes the inputs vary over (inside a user's `shard_map` with `check_vma=True` a
 `split_refs` undoes that order inside a kernel.
 """
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
@@ -32,7 +34,8 @@ def planned_call(kernel: Callable[..., None], *, plan: Plan, operands: BlockOper
                  out_specs: Sequence[Any], outputs: Sequence[tuple[tuple[int, ...], Any]],
                  scratch: Sequence[Any], vmem_bytes: int,
                  name: str, interpret: bool, zeroed: Sequence[int] = (),
-                 optional: Sequence[int] = ()) -> Callable[..., list[Array]]:
+                 optional: Sequence[int] = (), batch_inner: bool = False
+                 ) -> Callable[..., list[Array]]:
     """`pallas_call(kernel)` over `plan`'s steps for each of `heads = (batch, kv heads)`
     (the steps in order: they carry an outer block's running state), taking the kernel's
     inputs (`in_specs`;
@@ -43,8 +46,22 @@ def planned_call(kernel: Callable[..., None], *, plan: Plan, operands: BlockOper
     sees, untouched in HBM, right after the operands' block refs. The outputs numbered in
     `optional` are written only where a compiled program reads them (`_unread_outputs`):
     the kernel is then called with `written`, a bool per output, and gets refs for those
-    it marks; the call returns every output (the unwritten ones are never read)."""
+    it marks; the call returns every output (the unwritten ones are never read).
+
+    `batch_inner`: the grid is `(1, kv heads, steps × batch)` instead, each step of the
+    plan run for every batch element in turn (`read_step(..., batches=batch)` undoes it;
+    the index maps still see `(batch, kv head, step)`), so an output block that does not
+    vary over the batch stays in VMEM while the batch sums into it. The plan must be the
+    same for every batch element."""
     n_tables = 3 + len(operands.scalar_tables)
+    batch, kv_heads = heads
+    if batch_inner:
+        assert plan.layout.lead_b == 1, "a plan that varies over the batch"
+        grid = (1, kv_heads, batch * plan.layout.steps)
+        fold = functools.partial(_batch_inner, batch)
+    else:
+        grid = (*heads, plan.layout.steps)
+        fold = lambda spec: spec  # noqa: E731
 
     def run(*arrays: Array, written: tuple[bool, ...]) -> list[Array]:
         kept = [n for n, w in enumerate(written) if w]
@@ -60,10 +77,11 @@ def planned_call(kernel: Callable[..., None], *, plan: Plan, operands: BlockOper
             body,
             grid_spec=pltpu.PrefetchScalarGridSpec(
                 num_scalar_prefetch=n_tables,
-                grid=(*heads, plan.layout.steps),
-                in_specs=[*in_specs, *operands.block_specs(*blocks, plan.layout.at),
+                grid=grid,
+                in_specs=[*map(fold, in_specs),
+                          *map(fold, operands.block_specs(*blocks, plan.layout.at)),
                           *(pl.BlockSpec(memory_space=pl.ANY) for _ in zeros)],
-                out_specs=[out_specs[n] for n in kept],
+                out_specs=[fold(out_specs[n]) for n in kept],
                 scratch_shapes=list(scratch),
             ),
             out_shape=[varying_struct(*outputs[n], axes) for n in kept],
@@ -84,6 +102,25 @@ def planned_call(kernel: Callable[..., None], *, plan: Plan, operands: BlockOper
     return call
 
 
+def _batch_inner(batch: int, spec: Any) -> Any:
+    """`spec` on `planned_call`'s batch-inner grid: its index map gets `(batch element,
+    kv head, step)` back from `(0, kv head, step × batch + batch element)`."""
+    index_map = spec.index_map
+
+    def folded(_, hi, t, *tables):
+        bi, step = _unfolded(t, batch)
+        return index_map(bi, hi, step, *tables)
+
+    return dataclasses.replace(spec, index_map=folded)
+
+
+def _unfolded(t: Array, batch: int) -> tuple[Array, Array]:
+    """The batch element and the plan's step of a batch-inner grid's step `t`. (`lax.rem`
+    and `lax.div`, not `%` and `//`: for these non-negative ints they agree, and `//`'s
+    sign correction needs the chip's generation to lower, which a CPU host has not.)"""
+    return jax.lax.rem(t, batch), jax.lax.div(t, batch)
+
+
 class Step(NamedTuple):
     """One grid step of a plan, as a kernel reads it (`read_step`)."""
 
@@ -97,9 +134,12 @@ class Step(NamedTuple):
     t: Array  # the step's index along the grid
 
 
-def read_step(layout: Layout, outer_ref, inner_ref, code_ref) -> Step:
-    """The current grid step of a plan of `layout` (the kernel's three table refs)."""
+def read_step(layout: Layout, outer_ref, inner_ref, code_ref, batches: int = 0) -> Step:
+    """The current grid step of a plan of `layout` (the kernel's three table refs);
+    `batches`: the batch size of a batch-inner grid (`planned_call`), 0 for none."""
     bi, hi, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    if batches:
+        bi, t = _unfolded(t, batches)
     at = layout.at(bi, hi, t)
     code = code_ref[at]
     return Step(bi, hi, outer_ref[at], inner_ref[at], code & FLAG, (code & FIRST) != 0,

@@ -108,7 +108,9 @@ def backward(cfg: KernelConfig, q: Array, k: Array, v: Array, ops: Operands, lse
         dq_ops = prepare(cfg, ops, q.shape[:3], v if masked else None,
                          term_units=u.before_cap)
         d_q, d_bias = on_tpu_or_interpreted(
-            functools.partial(_dq_call, cfg, fwd_plan, dq_ops, u, d_bias_wanted),
+            functools.partial(_dq_call, cfg, fwd_plan, dq_ops, u,
+                              ops.bias.dtype if d_bias_wanted and ops.bias is not None
+                              else None),
             q_in, k, v, d_out, lse_u, delta)
     d_ops = jax.tree.map(lambda _: None, differentiable_part(ops))
     if mod_values:
@@ -421,21 +423,28 @@ def _dkv_kernel(outer_ref, inner_ref, code_ref, *refs, cfg: KernelConfig,
 # dq alone: per query block, its key blocks (the forward's plan).
 
 
+def _bias_pair(operands: BlockOperands):
+    return next(p for p in operands.pairs if p.name == "bias")
+
+
 def _bias_cotangent(operands: BlockOperands, cfg: KernelConfig, b: int, h: int,
-                    layout: Layout) -> tuple[tuple[int | None, ...], Any, tuple[int, ...]]:
+                    layout: Layout, batch_inner: bool
+                    ) -> tuple[tuple[int | None, ...], Any, tuple[int, ...]]:
     """Where the dq kernel writes a bias's cotangent (block shape, index map) and its
-    shape: `(b, h, nq|1, nk|1, g|1, seq_q|1, seq_k|1)`, a block per step; along a
+    shape: `(b|1, h, nq|1, nk|1, g|1, seq_q|1, seq_k|1)`, a block per step; along a
     sequence the bias broadcasts over, each block's sum on an axis of its own (`nq`,
-    `nk`), so that no block is written twice."""
-    pair = next(p for p in operands.pairs if p.name == "bias")
+    `nk`), so that no block is written twice. `batch_inner`: one block for every batch
+    element, which the batch-inner grid sums into while it stays in VMEM."""
+    pair = _bias_pair(operands)
     (seq_q, seq_k), bq, bk = cfg.padded_seq, cfg.block_q, cfg.block_k
-    shape = (b, h, 1 if pair.queries else seq_q // bq, 1 if pair.keys else seq_k // bk,
+    shape = (1 if batch_inner else b, h, 1 if pair.queries else seq_q // bq,
+             1 if pair.keys else seq_k // bk,
              pair.groups, seq_q if pair.queries else 1, seq_k if pair.keys else 1)
 
     def index_map(bi, hi, t, outer, inner, *tables):
         i, kb = outer[layout.at(bi, hi, t)], inner[layout.at(bi, hi, t)]
         q_at, k_at = (0, i) if pair.queries else (i, 0), (0, kb) if pair.keys else (kb, 0)
-        return bi, hi, q_at[0], k_at[0], 0, q_at[1], k_at[1]
+        return 0 if batch_inner else bi, hi, q_at[0], k_at[0], 0, q_at[1], k_at[1]
 
     block = (None, None, None, None, pair.groups, bq if pair.queries else 1,
              bk if pair.keys else 1)
@@ -443,8 +452,11 @@ def _bias_cotangent(operands: BlockOperands, cfg: KernelConfig, b: int, h: int,
 
 
 def _dq_call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units,
-             d_bias_wanted: bool, q, k, v, d_out, lse, delta, *, interpret: bool):
+             d_bias_dtype: Any, q, k, v, d_out, lse, delta, *, interpret: bool):
+    """dq and, with `d_bias_dtype` (the bias's dtype; None: not wanted), the bias's
+    cotangent (`_bias_cotangent`)."""
     b, h, g, seq_q, d = q.shape
+    d_bias_wanted = d_bias_dtype is not None
     dv = v.shape[-1]
     bq, bk = cfg.block_q, cfg.block_k
     at = plan.layout.at
@@ -455,6 +467,9 @@ def _dq_call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units,
 
     def kv_map(bi, hi, t, outer, inner, *tables):
         return bi, hi, inner[at(bi, hi, t)], 0
+
+    def q_of_every_batch_map(bi, hi, t, outer, inner, *tables):
+        return 0, hi, 0, outer[at(bi, hi, t)], 0
 
     columns = tuple(jnp.broadcast_to(x[..., None], (*x.shape, LANES)) for x in (lse, delta))
     in_specs = [
@@ -467,39 +482,84 @@ def _dq_call(cfg: KernelConfig, plan: Plan, operands: BlockOperands, u: Units,
     ]
     item = q.dtype.itemsize
     rows = g * bq
-    blocks = (2 * item * (rows * (d + dv) + bk * (d + dv) + rows * d)
-              + 4 * (rows * d + 4 * rows * bk + 4 * rows * LANES))
-    out_specs = [pl.BlockSpec((None, None, g, bq, d), q_map)]
+    batch_inner = d_bias_wanted and _sums_bias_over_batch(operands, plan, b, rows * d, item)
+    # Batch-inner: the dq of one query block for every batch element stays in VMEM (its
+    # accumulator and output block) while each step runs for the batch in turn.
+    copies = b if batch_inner else 1
+    blocks = (2 * item * (rows * (d + dv) + bk * (d + dv) + copies * rows * d)
+              + 4 * (copies * rows * d + 4 * rows * bk + 4 * rows * LANES))
+    if batch_inner:
+        out_specs = [pl.BlockSpec((b, None, g, bq, d), q_of_every_batch_map)]
+    else:
+        out_specs = [pl.BlockSpec((None, None, g, bq, d), q_map)]
     outputs = [(q.shape, q.dtype)]
+    scratch = [pltpu.VMEM((b, rows, d) if batch_inner else (rows, d), stat)]
     zeroed: tuple[int, ...] = ()
+    d_bias = 0
     if d_bias_wanted:
-        block, index_map, shape = _bias_cotangent(operands, cfg, b, h, plan.layout)
+        block, index_map, shape = _bias_cotangent(operands, cfg, b, h, plan.layout,
+                                                  batch_inner)
+        pair, size = _bias_pair(operands), int(np.prod([n for n in block if n is not None]))
+        # Summed over the batch in VMEM, in the bias's own layout (nothing left to sum
+        # outside): written in the bias's dtype from a float32 accumulator, with no float32
+        # copy in HBM and no pass to convert it.
+        own_dtype = (batch_inner and pair.queries and pair.keys and (pair.heads or h == 1)
+                     and jnp.dtype(d_bias_dtype).itemsize < 4)
+        d_bias = _ACCUMULATED if own_dtype else _WRITTEN
+        out_dtype = jnp.dtype(d_bias_dtype if own_dtype else jnp.float32)
         out_specs.append(pl.BlockSpec(block, index_map))
-        outputs.append((shape, jnp.float32))
-        blocks += 2 * 4 * int(np.prod([n for n in block if n is not None]))
+        outputs.append((shape, out_dtype))
+        blocks += 2 * out_dtype.itemsize * size
+        if own_dtype:
+            scratch.append(pltpu.VMEM(tuple(n for n in block if n is not None), jnp.float32))
+            blocks += 4 * size
         # Blocks of pairs the plan never visits (an empty band) stay zero.
         if not plan.visits_every_pair:
             zeroed = (1,)
     kernel = functools.partial(_dq_kernel, cfg=cfg, operands=operands, u=u,
-                               layout=plan.layout, listed=plan.listed, zeroed=len(zeroed))
+                               layout=plan.layout, listed=plan.listed, zeroed=len(zeroed),
+                               batches=b if batch_inner else 0, d_bias=d_bias)
     results = planned_call(
         kernel, plan=plan, operands=operands, blocks=(bq, bk), heads=(b, h),
         in_specs=in_specs, out_specs=out_specs, outputs=outputs,
-        scratch=[pltpu.VMEM((rows, d), stat)], vmem_bytes=blocks,
+        scratch=scratch, vmem_bytes=blocks,
         name="eqx_flash_backward_dq", interpret=interpret, zeroed=zeroed,
+        batch_inner=batch_inner,
     )(q, k, v, d_out, *columns)
     return results[0], results[1] if d_bias_wanted else None
 
 
+def _sums_bias_over_batch(operands: BlockOperands, plan: Plan, b: int, dq_block: int,
+                          item: int) -> bool:
+    """Whether the dq kernel sums a bias's cotangent over the batch in VMEM (a batch-inner
+    grid) rather than writing one per batch element, summed afterwards (`b` times the
+    bias's size in float32 in HBM): for a bias the batch broadcasts over, a plan the
+    same for every batch element, and every batch element's dq of one query block
+    (`dq_block` elements; its float32 accumulator and output block) within
+    `FUSED_DQ_BYTES`."""
+    return (b > 1 and not _bias_pair(operands).batch and plan.layout.lead_b == 1
+            and b * dq_block * (4 + 2 * item) <= FUSED_DQ_BYTES)
+
+
+# How the dq kernel writes a bias's cotangent (`d_bias`): not at all (0), each step's
+# straight to its output block, or summed over the batch in a float32 accumulator first.
+_WRITTEN, _ACCUMULATED = 1, 2
+
+
 def _dq_kernel(outer_ref, inner_ref, code_ref, *refs, cfg: KernelConfig,
-               operands: BlockOperands, u: Units, layout: Layout, listed: bool, zeroed: int):
+               operands: BlockOperands, u: Units, layout: Layout, listed: bool, zeroed: int,
+               batches: int, d_bias: int):
     tables, (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), operand_refs, rest = split_refs(
         refs, operands, 6)
-    rest = rest[zeroed:]  # (the zero inputs behind the aliased outputs)
-    dq_ref, *d_bias, acc_ref = rest
-    d_bias_ref = d_bias[0] if d_bias else None
-    at = read_step(layout, outer_ref, inner_ref, code_ref)
+    rest = list(rest[zeroed:])  # (the zero inputs behind the aliased outputs)
+    dq_ref = rest.pop(0)
+    d_bias_ref = rest.pop(0) if d_bias else None
+    acc_ref = rest.pop(0)
+    d_bias_acc = rest.pop(0) if d_bias == _ACCUMULATED else None
+    at = read_step(layout, outer_ref, inner_ref, code_ref, batches)
     bi, hi, i, kb, flag = at.batch, at.head, at.outer, at.inner, at.flag
+    if batches:  # batch-inner (`_sums_bias_over_batch`): this batch element's dq
+        dq_ref, acc_ref = dq_ref.at[bi], acc_ref.at[bi]
     g, bq, d = q_ref.shape
     bk, dv = v_ref.shape
     rows, stat = g * bq, acc_ref.dtype
@@ -550,7 +610,11 @@ def _dq_kernel(outer_ref, inner_ref, code_ref, *refs, cfg: KernelConfig,
         acc_ref[...] += dot(ds.astype(k.dtype), k, NN, stat)
         if d_bias_ref is not None:
             # (`ds` is the cotangent of the natural pre-cap logits, where the bias adds.)
-            d_bias_ref[...] = summed_to(ds.reshape(g, bq, bk), d_bias_ref.shape)
+            cotangent = summed_to(ds.reshape(g, bq, bk), d_bias_ref.shape)
+            if batches:
+                _sum_over_batch(d_bias_ref, d_bias_acc, cotangent, bi, batches)
+            else:
+                d_bias_ref[...] = cotangent
 
     by_flag(flag, operands.masks_data, step)
 
@@ -558,3 +622,23 @@ def _dq_kernel(outer_ref, inner_ref, code_ref, *refs, cfg: KernelConfig,
     def _finish():
         dq = acc_ref[...] * jnp.asarray(cfg.scale, stat)
         dq_ref[...] = dq.reshape(g, bq, d).astype(dq_ref.dtype)
+
+
+def _sum_over_batch(out_ref, acc_ref, x: Array, bi: Array, batches: int) -> None:
+    """`x` summed over the batch elements of a batch-inner grid's consecutive steps, into
+    the output block they share (it stays in VMEM), or into the float32 `acc_ref` when
+    given, written to `out_ref` in its dtype after the last element."""
+    target = out_ref if acc_ref is None else acc_ref
+
+    @pl.when(bi == 0)
+    def _set():
+        target[...] = x
+
+    @pl.when(bi > 0)
+    def _add():
+        target[...] += x
+
+    if acc_ref is not None:
+        @pl.when(bi == batches - 1)
+        def _write():
+            out_ref[...] = acc_ref[...].astype(out_ref.dtype)
