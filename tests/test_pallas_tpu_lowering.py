@@ -586,3 +586,9 @@ def test_a_bias_the_batch_broadcasts_over_sums_its_cotangent_in_the_kernel():
     per_batch = jax.ShapeDtypeStruct((4, 1, 1, 1024), jnp.bfloat16)
     module = jax.export.export(jax.jit(grad), platforms=("tpu",))(q, q, q, per_batch)
     assert _kernel_results(module.mlir_module())["eqx_flash_backward_dq"] == 2
+    # Under vmap (a grid axis in front of the batch-inner grid) it lowers too.
+    mapped = jax.vmap(grad, in_axes=(0, 0, 0, None))
+    small = jax.ShapeDtypeStruct((2, 3, 4, 256, 128), jnp.bfloat16)
+    module = jax.export.export(jax.jit(mapped), platforms=("tpu",))(
+        small, small, small, jax.ShapeDtypeStruct((4, 256, 256), jnp.bfloat16))
+    assert _kernel_results(module.mlir_module())["eqx_flash_backward_dq"] == 2
